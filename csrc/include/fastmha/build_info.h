@@ -1,0 +1,18 @@
+// What this copy of the fastmha library was built with (reported by fastmha._C and C++ programs).
+#pragma once
+
+#include <string>
+
+namespace fastmha {
+
+struct BuildInfo {
+  std::string version;        // fastmha version
+  std::string torch_version;  // torch the library was compiled against
+  bool cuda_kernels;          // whether the CUDA kernels are compiled in
+  std::string cuda_version;   // nvcc version, empty without CUDA
+  std::string cuda_archs;     // TORCH_CUDA_ARCH_LIST used, empty without CUDA
+};
+
+BuildInfo build_info();
+
+}  // namespace fastmha

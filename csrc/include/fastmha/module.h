@@ -1,0 +1,64 @@
+// fastmha::MultiHeadAttention, the C++ frontend twin of the Python fastmha.MultiHeadAttentionBlock.
+// Parameters are named w_q.weight, w_k.weight, w_v.weight, w_o.weight as in Python, so weights move between
+// the two (e.g. through a TorchScript archive or torch::save / torch::load of the parameters).
+//
+//   fastmha::MultiHeadAttention mha(fastmha::MultiHeadAttentionOptions(512, 8).dropout(0.1));
+//   auto y = mha(x, x, x, mask);          // (batch, L, 512)
+//   auto w = mha->attention_scores();     // (batch, 8, L, L), post-dropout
+#pragma once
+
+#include <torch/arg.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/modules/common.h>
+#include <torch/nn/modules/container/any_module_holder.h>
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+
+namespace fastmha {
+
+struct MultiHeadAttentionOptions {
+  MultiHeadAttentionOptions(int64_t d_model, int64_t heads) : d_model_(d_model), heads_(heads) {}
+
+  /// Model width; inputs are (batch, seq, d_model). Must be divisible by heads.
+  TORCH_ARG(int64_t, d_model);
+  /// Number of heads h; each has d_k = d_model / h features.
+  TORCH_ARG(int64_t, heads);
+  /// Dropout probability on the attention weights, in training mode only. In [0, 1).
+  TORCH_ARG(double, dropout) = 0.0;
+  /// Keep the attention weights after each forward (attention_scores()); false saves their memory.
+  TORCH_ARG(bool, need_weights) = true;
+};
+
+class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImpl> {
+ public:
+  MultiHeadAttentionImpl(int64_t d_model, int64_t heads)
+      : MultiHeadAttentionImpl(MultiHeadAttentionOptions(d_model, heads)) {}
+  explicit MultiHeadAttentionImpl(const MultiHeadAttentionOptions& options);
+
+  /// query (batch, Lq, d_model), key and value (batch, Lk, d_model); mask of any dtype broadcastable to
+  /// (batch, heads, Lq, Lk), positions where mask == 0 are not attended. Returns (batch, Lq, d_model).
+  at::Tensor forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                     const at::Tensor& mask = {});
+
+  /// The post-dropout attention weights of the last forward (batch, heads, Lq, Lk); undefined when
+  /// need_weights is false or before the first forward.
+  at::Tensor attention_scores() const { return attention_scores_; }
+
+  void reset() override;
+  void pretty_print(std::ostream& stream) const override;
+
+  MultiHeadAttentionOptions options;
+  torch::nn::Linear w_q{nullptr}, w_k{nullptr}, w_v{nullptr}, w_o{nullptr};
+  torch::nn::Dropout dropout{nullptr};
+
+ protected:
+  FORWARD_HAS_DEFAULT_ARGS({3, torch::nn::AnyValue(at::Tensor())})
+
+ private:
+  at::Tensor attention_scores_;
+};
+
+TORCH_MODULE(MultiHeadAttention);
+
+}  // namespace fastmha

@@ -1,0 +1,84 @@
+#include "ops/aten/attention_aten.h"
+
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+
+#include <cmath>
+
+namespace fastmha::aten_impl {
+namespace {
+
+// The value the document writes into masked scores before the softmax.
+constexpr double kMaskedScore = -1e9;
+
+at::ScalarType accumulation_type(at::ScalarType t) { return at::toOpMathType(t); }
+
+// scores = query @ key^T / sqrt(d_k), then mask == 0 -> -1e9, in the accumulation dtype.
+at::Tensor masked_scores(const at::Tensor& query_acc, const at::Tensor& key_acc,
+                         const std::optional<at::Tensor>& mask) {
+  auto scores = at::matmul(query_acc, key_acc.transpose(-2, -1));
+  scores.div_(std::sqrt(static_cast<double>(query_acc.size(-1))));
+  if (mask.has_value()) {
+    scores.masked_fill_(mask->eq(0), kMaskedScore);
+  }
+  return scores;
+}
+
+at::Tensor no_rng_state(const at::Tensor& query) { return at::zeros({2}, query.options().dtype(at::kLong)); }
+
+}  // namespace
+
+detail::AttentionForwardResult attention_forward(const at::Tensor& query, const at::Tensor& key,
+                                                 const at::Tensor& value, const std::optional<at::Tensor>& mask,
+                                                 double dropout_p, bool need_weights, const DropoutKernels& dropout) {
+  const auto acc = accumulation_type(query.scalar_type());
+  const auto value_acc = value.to(acc);
+  auto scores = masked_scores(query.to(acc), key.to(acc), mask);
+  auto logsumexp = at::logsumexp(scores, -1);
+  auto probs = at::softmax(scores, -1);
+  at::Tensor rng_state;
+  if (dropout_p > 0.0) {
+    auto [multipliers, state] = dropout.draw(probs.sizes(), dropout_p, probs.options());
+    probs.mul_(multipliers);
+    rng_state = state;
+  } else {
+    rng_state = no_rng_state(query);
+  }
+  auto output = at::matmul(probs, value_acc).to(query.scalar_type());
+  auto weights = need_weights ? probs.to(query.scalar_type()) : at::empty({0}, query.options());
+  return {output, weights, logsumexp, rng_state};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights, const at::Tensor& query,
+    const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& mask, const at::Tensor& output,
+    const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p, const DropoutKernels& dropout) {
+  const auto acc = accumulation_type(query.scalar_type());
+  const auto query_acc = query.to(acc);
+  const auto key_acc = key.to(acc);
+  // Recompute the softmax from the saved log-sum-exp instead of keeping it from the forward.
+  auto probs = masked_scores(query_acc, key_acc, mask).sub_(logsumexp.unsqueeze(-1)).exp_();
+  at::Tensor multipliers;
+  if (dropout_p > 0.0) {
+    multipliers = dropout.replay(probs.sizes(), dropout_p, probs.options(), rng_state);
+  }
+  const auto applied = multipliers.defined() ? probs * multipliers : probs;
+  const auto grad_output_acc = grad_output.to(acc);
+  auto grad_value = at::matmul(applied.transpose(-2, -1), grad_output_acc);
+  auto grad_applied = at::matmul(grad_output_acc, value.to(acc).transpose(-2, -1));
+  if (grad_weights.has_value() && grad_weights->defined()) {
+    grad_applied.add_(grad_weights->to(acc));
+  }
+  auto grad_probs = multipliers.defined() ? grad_applied.mul_(multipliers) : grad_applied;
+  // softmax backward: dS = P * (dP - sum_j dP * P)
+  auto grad_scores = probs * (grad_probs - (grad_probs * probs).sum(-1, /*keepdim=*/true));
+  if (mask.has_value()) {
+    grad_scores.masked_fill_(mask->eq(0), 0.0);  // masked scores were overwritten: no gradient
+  }
+  grad_scores.div_(std::sqrt(static_cast<double>(query.size(-1))));
+  auto grad_query = at::matmul(grad_scores, key_acc).to(query.scalar_type());
+  auto grad_key = at::matmul(grad_scores.transpose(-2, -1), query_acc).to(key.scalar_type());
+  return {grad_query, grad_key, grad_value.to(value.scalar_type())};
+}
+
+}  // namespace fastmha::aten_impl

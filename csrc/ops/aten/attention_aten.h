@@ -1,0 +1,20 @@
+// The attention core written with ATen ops (GEMMs + softmax), device-generic: the CPU and CUDA kernels
+// call it with their device's dropout kernels. Scores, softmax and gradients are computed in fp32 for half
+// types (float64 stays float64), so the -1e9 fill stays finite and fully masked rows stay uniform.
+#pragma once
+
+#include "ops/attention_ops.h"
+#include "ops/dropout.h"
+
+namespace fastmha::aten_impl {
+
+detail::AttentionForwardResult attention_forward(const at::Tensor& query, const at::Tensor& key,
+                                                 const at::Tensor& value, const std::optional<at::Tensor>& mask,
+                                                 double dropout_p, bool need_weights, const DropoutKernels& dropout);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights, const at::Tensor& query,
+    const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& mask, const at::Tensor& output,
+    const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p, const DropoutKernels& dropout);
+
+}  // namespace fastmha::aten_impl

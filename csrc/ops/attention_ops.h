@@ -1,0 +1,45 @@
+// Typed dispatcher calls for fastmha's internal ops (the forward/backward pairs that the Autograd kernels
+// and the block's composite kernels call). The public ones are declared in <fastmha/ops.h>.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <tuple>
+
+namespace fastmha::detail {
+
+// (output, weights or empty, logsumexp (batch, h, Lq) in the accumulation dtype, rng_state int64[2])
+using AttentionForwardResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+AttentionForwardResult attention_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                         const std::optional<at::Tensor>& mask, double dropout_p, bool need_weights);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights, const at::Tensor& query,
+    const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& mask, const at::Tensor& output,
+    const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p);
+
+// (output, weights or empty, query_proj, key_proj, value_proj, context, logsumexp, rng_state)
+using MultiHeadAttentionForwardResult =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+MultiHeadAttentionForwardResult multi_head_attention_forward(const at::Tensor& query, const at::Tensor& key,
+                                                             const at::Tensor& value, const at::Tensor& w_q,
+                                                             const at::Tensor& w_k, const at::Tensor& w_v,
+                                                             const at::Tensor& w_o, int64_t num_heads,
+                                                             const std::optional<at::Tensor>& mask, double dropout_p,
+                                                             bool need_weights);
+
+// (grad_query, grad_key, grad_value, grad_w_q, grad_w_k, grad_w_v, grad_w_o)
+using MultiHeadAttentionBackwardResult =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+MultiHeadAttentionBackwardResult multi_head_attention_backward(
+    const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights, const at::Tensor& query,
+    const at::Tensor& key, const at::Tensor& value, const at::Tensor& w_q, const at::Tensor& w_k, const at::Tensor& w_v,
+    const at::Tensor& w_o, const at::Tensor& query_proj, const at::Tensor& key_proj, const at::Tensor& value_proj,
+    const at::Tensor& context, const at::Tensor& logsumexp, const at::Tensor& rng_state, int64_t num_heads,
+    const std::optional<at::Tensor>& mask, double dropout_p);
+
+}  // namespace fastmha::detail

@@ -1,0 +1,63 @@
+// Autograd for the whole block, in C++ so TorchScript and C++ callers can train. The forward saves the
+// projections, the merged context, the log-sum-exp and the dropout rng_state; nothing of size Lq x Lk.
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include "ops/attention_ops.h"
+
+namespace fastmha {
+namespace {
+
+class MultiHeadAttentionFunction : public torch::autograd::Function<MultiHeadAttentionFunction> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& query,
+                                                const at::Tensor& key, const at::Tensor& value, const at::Tensor& w_q,
+                                                const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o,
+                                                int64_t num_heads, const std::optional<at::Tensor>& mask,
+                                                double dropout_p, bool need_weights) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [output, weights, query_proj, key_proj, value_proj, context, logsumexp, rng_state] =
+        detail::multi_head_attention_forward(query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p,
+                                             need_weights);
+    ctx->save_for_backward({query, key, value, w_q, w_k, w_v, w_o, query_proj, key_proj, value_proj, context, logsumexp,
+                            rng_state, mask.value_or(at::Tensor())});
+    ctx->saved_data["num_heads"] = num_heads;
+    ctx->saved_data["dropout_p"] = dropout_p;
+    ctx->saved_data["need_weights"] = need_weights;
+    if (!need_weights) {
+      ctx->mark_non_differentiable({weights});
+    }
+    return {output, weights};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const auto mask = s[13].defined() ? std::optional<at::Tensor>(s[13]) : std::nullopt;
+    const auto grad_weights =
+        ctx->saved_data["need_weights"].toBool() ? std::optional<at::Tensor>(grads[1]) : std::nullopt;
+    auto [grad_query, grad_key, grad_value, grad_w_q, grad_w_k, grad_w_v, grad_w_o] =
+        detail::multi_head_attention_backward(grads[0], grad_weights, s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7],
+                                              s[8], s[9], s[10], s[11], s[12], ctx->saved_data["num_heads"].toInt(),
+                                              mask, ctx->saved_data["dropout_p"].toDouble());
+    return {grad_query, grad_key,     grad_value,   grad_w_q,     grad_w_k,    grad_w_v,
+            grad_w_o,   at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> multi_head_attention_autograd(const at::Tensor& query, const at::Tensor& key,
+                                                                 const at::Tensor& value, const at::Tensor& w_q,
+                                                                 const at::Tensor& w_k, const at::Tensor& w_v,
+                                                                 const at::Tensor& w_o, int64_t num_heads,
+                                                                 const std::optional<at::Tensor>& mask,
+                                                                 double dropout_p, bool need_weights) {
+  auto outputs = MultiHeadAttentionFunction::apply(query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p,
+                                                   need_weights);
+  return {outputs[0], outputs[1]};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastmha, Autograd, m) { m.impl("multi_head_attention", &multi_head_attention_autograd); }
+
+}  // namespace fastmha

@@ -1,0 +1,133 @@
+#include "ops/checks.h"
+
+#include <c10/util/Exception.h>
+
+#include <vector>
+
+namespace fastmha {
+namespace {
+
+bool is_supported_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
+void check_defined(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.defined(), "fastmha: ", name, " must be a tensor, got an undefined tensor");
+}
+
+// `t` must share `ref`'s dtype and device (ref is the query, which fixes both for the call).
+void check_like_query(const at::Tensor& t, const char* name, const at::Tensor& query) {
+  check_defined(t, name);
+  TORCH_CHECK(t.scalar_type() == query.scalar_type(), "fastmha: ", name, " must have the query's dtype ",
+              query.scalar_type(), ", got ", t.scalar_type());
+  TORCH_CHECK(t.device() == query.device(), "fastmha: ", name, " must be on the query's device ", query.device(),
+              ", got ", t.device());
+}
+
+void check_query_dtype(const at::Tensor& query) {
+  check_defined(query, "query");
+  TORCH_CHECK(is_supported_float(query.scalar_type()),
+              "fastmha: query must be a floating-point tensor (float32, float64, float16 or bfloat16), got ",
+              query.scalar_type());
+}
+
+void check_dim(const at::Tensor& t, const char* name, int64_t dim, const char* layout) {
+  TORCH_CHECK(t.dim() == dim, "fastmha: ", name, " must be ", dim, "-D ", layout, ", got shape ", t.sym_sizes());
+}
+
+void check_dropout(double dropout_p) {
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "fastmha: dropout_p must be in [0, 1), got ", dropout_p);
+}
+
+// The mask must broadcast to the scores (batch, h, Lq, Lk) without growing them, as masked_fill_ requires.
+void check_mask(const std::optional<at::Tensor>& mask, const at::Tensor& query, c10::SymInt batch, c10::SymInt heads,
+                c10::SymInt len_q, c10::SymInt len_k) {
+  if (!mask.has_value()) {
+    return;
+  }
+  const at::Tensor& m = *mask;
+  check_defined(m, "mask");
+  TORCH_CHECK(!at::isComplexType(m.scalar_type()), "fastmha: mask must be a real or bool tensor, got ",
+              m.scalar_type());
+  TORCH_CHECK(m.device() == query.device(), "fastmha: mask must be on the query's device ", query.device(), ", got ",
+              m.device());
+  const std::vector<c10::SymInt> scores = {batch, heads, len_q, len_k};
+  TORCH_CHECK(m.dim() <= 4, "fastmha: mask must have at most 4 dims broadcastable to the scores (batch, h, Lq, Lk) ",
+              c10::SymIntArrayRef(scores), ", got shape ", m.sym_sizes());
+  for (int64_t i = 1; i <= m.dim(); ++i) {
+    const auto& size = m.sym_size(-i);
+    const auto& target = scores[4 - i];
+    TORCH_CHECK(size == 1 || size == target, "fastmha: mask of shape ", m.sym_sizes(),
+                " does not broadcast to the scores (batch, h, Lq, Lk) ", c10::SymIntArrayRef(scores), " (dim ",
+                m.dim() - i, " is ", size, ")");
+  }
+}
+
+}  // namespace
+
+void check_attention_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                            const std::optional<at::Tensor>& mask, double dropout_p) {
+  check_query_dtype(query);
+  check_like_query(key, "key", query);
+  check_like_query(value, "value", query);
+  check_dim(query, "query", 4, "(batch, h, Lq, d_k)");
+  check_dim(key, "key", 4, "(batch, h, Lk, d_k)");
+  check_dim(value, "value", 4, "(batch, h, Lk, d_v)");
+  TORCH_CHECK(key.sym_size(0) == query.sym_size(0) && value.sym_size(0) == query.sym_size(0),
+              "fastmha: query, key and value must have the same batch size (dim 0), got query ", query.sym_sizes(),
+              ", key ", key.sym_sizes(), ", value ", value.sym_sizes());
+  TORCH_CHECK(key.sym_size(1) == query.sym_size(1) && value.sym_size(1) == query.sym_size(1),
+              "fastmha: query, key and value must have the same number of heads (dim 1), got query ", query.sym_sizes(),
+              ", key ", key.sym_sizes(), ", value ", value.sym_sizes());
+  TORCH_CHECK(key.sym_size(3) == query.sym_size(3),
+              "fastmha: key must have the query's head size d_k (dim 3), got query ", query.sym_sizes(), ", key ",
+              key.sym_sizes());
+  TORCH_CHECK(query.sym_size(3) > 0, "fastmha: the head size d_k (query dim 3) must be positive, got query ",
+              query.sym_sizes());
+  TORCH_CHECK(value.sym_size(2) == key.sym_size(2),
+              "fastmha: key and value must have the same length (dim 2), got key ", key.sym_sizes(), ", value ",
+              value.sym_sizes());
+  check_mask(mask, query, query.sym_size(0), query.sym_size(1), query.sym_size(2), key.sym_size(2));
+  check_dropout(dropout_p);
+}
+
+void check_block_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& w_q,
+                        const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o, int64_t num_heads,
+                        const std::optional<at::Tensor>& mask, double dropout_p) {
+  check_query_dtype(query);
+  check_like_query(key, "key", query);
+  check_like_query(value, "value", query);
+  const std::pair<const at::Tensor*, const char*> weights[] = {
+      {&w_q, "w_q"}, {&w_k, "w_k"}, {&w_v, "w_v"}, {&w_o, "w_o"}};
+  for (const auto& [w, name] : weights) {
+    check_like_query(*w, name, query);
+  }
+  TORCH_CHECK(num_heads > 0, "fastmha: num_heads must be positive, got ", num_heads);
+  check_dim(w_q, "w_q", 2, "(d_model, d_model)");
+  const auto d_model = w_q.sym_size(0);
+  TORCH_CHECK(d_model > 0, "fastmha: d_model (w_q dim 0) must be positive, got w_q of shape ", w_q.sym_sizes());
+  for (const auto& [w, name] : weights) {
+    TORCH_CHECK(w->dim() == 2 && w->sym_size(0) == d_model && w->sym_size(1) == d_model, "fastmha: ", name,
+                " must have shape (d_model, d_model) = (", d_model, ", ", d_model, "), got ", w->sym_sizes());
+  }
+  TORCH_CHECK(d_model % num_heads == 0, "fastmha: d_model must be divisible by num_heads, got d_model ", d_model,
+              " and num_heads ", num_heads);
+  check_dim(query, "query", 3, "(batch, Lq, d_model)");
+  check_dim(key, "key", 3, "(batch, Lk, d_model)");
+  check_dim(value, "value", 3, "(batch, Lk, d_model)");
+  const std::pair<const at::Tensor*, const char*> inputs[] = {{&query, "query"}, {&key, "key"}, {&value, "value"}};
+  for (const auto& [x, name] : inputs) {
+    TORCH_CHECK(x->sym_size(2) == d_model, "fastmha: ", name, " must have d_model = ", d_model,
+                " features (last dim), got shape ", x->sym_sizes());
+  }
+  TORCH_CHECK(key.sym_size(0) == query.sym_size(0) && value.sym_size(0) == query.sym_size(0),
+              "fastmha: query, key and value must have the same batch size (dim 0), got query ", query.sym_sizes(),
+              ", key ", key.sym_sizes(), ", value ", value.sym_sizes());
+  TORCH_CHECK(value.sym_size(1) == key.sym_size(1),
+              "fastmha: key and value must have the same length (dim 1), got key ", key.sym_sizes(), ", value ",
+              value.sym_sizes());
+  check_mask(mask, query, query.sym_size(0), c10::SymInt(num_heads), query.sym_size(1), key.sym_size(1));
+  check_dropout(dropout_p);
+}
+
+}  // namespace fastmha

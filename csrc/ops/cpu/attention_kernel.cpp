@@ -1,0 +1,32 @@
+// CPU kernels of the attention core (for now the ATen implementation with CPU dropout; fused kernels replace it).
+#include <torch/library.h>
+
+#include "ops/aten/attention_aten.h"
+#include "ops/checks.h"
+
+namespace fastmha {
+namespace {
+
+detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query, const at::Tensor& key,
+                                                        const at::Tensor& value, const std::optional<at::Tensor>& mask,
+                                                        double dropout_p, bool need_weights) {
+  check_attention_inputs(query, key, value, mask, dropout_p);
+  return aten_impl::attention_forward(query, key, value, mask, dropout_p, need_weights, cpu_dropout_kernels());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
+    const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights, const at::Tensor& query,
+    const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& mask, const at::Tensor& output,
+    const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p) {
+  return aten_impl::attention_backward(grad_output, grad_weights, query, key, value, mask, output, logsumexp, rng_state,
+                                       dropout_p, cpu_dropout_kernels());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastmha, CPU, m) {
+  m.impl("_attention_forward", &attention_forward_kernel);
+  m.impl("_attention_backward", &attention_backward_kernel);
+}
+
+}  // namespace fastmha

@@ -1,0 +1,25 @@
+// Dropout on attention weights as a tensor of per-element multipliers (0 or 1/(1-p)) for the scores'
+// contiguous (batch, h, Lq, Lk) layout. Each backend implements the pair; the ATen implementation of the
+// attention core receives the right one for its device.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <utility>
+
+namespace fastmha {
+
+struct DropoutKernels {
+  // Takes a fresh (seed, offset) from the device's default generator (reproducible under torch.manual_seed).
+  // Returns (multipliers of `sizes` in `options`' dtype, rng_state: int64[2] on the same device).
+  std::pair<at::Tensor, at::Tensor> (*draw)(at::IntArrayRef sizes, double p, const at::TensorOptions& options);
+  // The same multipliers again, from a saved rng_state.
+  at::Tensor (*replay)(at::IntArrayRef sizes, double p, const at::TensorOptions& options, const at::Tensor& rng_state);
+};
+
+DropoutKernels cpu_dropout_kernels();
+#ifdef FASTMHA_WITH_CUDA
+DropoutKernels cuda_dropout_kernels();
+#endif
+
+}  // namespace fastmha

@@ -1,0 +1,157 @@
+// The whole block (projections, head split, attention core, head merge, output projection): schemas, typed
+// dispatcher calls, and its kernels. The block is GEMMs around the attention core, so one device-generic
+// implementation serves every backend: the projections go to the backend's BLAS, the core to its own kernel.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <fastmha/ops.h>
+
+#include "ops/attention_ops.h"
+#include "ops/checks.h"
+
+namespace fastmha {
+
+std::tuple<at::Tensor, at::Tensor> multi_head_attention(const at::Tensor& query, const at::Tensor& key,
+                                                        const at::Tensor& value, const at::Tensor& w_q,
+                                                        const at::Tensor& w_k, const at::Tensor& w_v,
+                                                        const at::Tensor& w_o, int64_t num_heads,
+                                                        const std::optional<at::Tensor>& mask, double dropout_p,
+                                                        bool need_weights) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastmha::multi_head_attention", "")
+                       .typed<decltype(multi_head_attention)>();
+  return op.call(query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p, need_weights);
+}
+
+namespace detail {
+
+MultiHeadAttentionForwardResult multi_head_attention_forward(const at::Tensor& query, const at::Tensor& key,
+                                                             const at::Tensor& value, const at::Tensor& w_q,
+                                                             const at::Tensor& w_k, const at::Tensor& w_v,
+                                                             const at::Tensor& w_o, int64_t num_heads,
+                                                             const std::optional<at::Tensor>& mask, double dropout_p,
+                                                             bool need_weights) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastmha::_multi_head_attention_forward", "")
+                       .typed<decltype(multi_head_attention_forward)>();
+  return op.call(query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p, need_weights);
+}
+
+MultiHeadAttentionBackwardResult multi_head_attention_backward(
+    const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights, const at::Tensor& query,
+    const at::Tensor& key, const at::Tensor& value, const at::Tensor& w_q, const at::Tensor& w_k, const at::Tensor& w_v,
+    const at::Tensor& w_o, const at::Tensor& query_proj, const at::Tensor& key_proj, const at::Tensor& value_proj,
+    const at::Tensor& context, const at::Tensor& logsumexp, const at::Tensor& rng_state, int64_t num_heads,
+    const std::optional<at::Tensor>& mask, double dropout_p) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastmha::_multi_head_attention_backward", "")
+                       .typed<decltype(multi_head_attention_backward)>();
+  return op.call(grad_output, grad_weights, query, key, value, w_q, w_k, w_v, w_o, query_proj, key_proj, value_proj,
+                 context, logsumexp, rng_state, num_heads, mask, dropout_p);
+}
+
+}  // namespace detail
+
+namespace {
+
+// (batch, L, d_model) -> (batch, h, L, d_k), a view. Symbolic sizes keep torch.compile's dynamic shapes.
+at::Tensor split_heads(const at::Tensor& x, int64_t num_heads) {
+  const auto batch = x.sym_size(0);
+  const auto length = x.sym_size(1);
+  const auto d_k = x.sym_size(2) / num_heads;
+  return x.view_symint({batch, length, num_heads, d_k}).transpose(1, 2);
+}
+
+// (batch, h, L, d_k) -> (batch, L, h * d_k), a new contiguous tensor.
+at::Tensor merge_heads(const at::Tensor& x) {
+  const auto batch = x.sym_size(0);
+  const auto length = x.sym_size(2);
+  const auto d_model = x.sym_size(1) * x.sym_size(3);
+  return x.transpose(1, 2).reshape_symint({batch, length, d_model}).contiguous();
+}
+
+// Flattens (batch, L, d) to (batch * L, d) for the weight gradients.
+at::Tensor rows(const at::Tensor& x) { return x.reshape_symint({x.sym_size(0) * x.sym_size(1), x.sym_size(2)}); }
+
+detail::MultiHeadAttentionForwardResult multi_head_attention_forward_kernel(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& w_q,
+    const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o, int64_t num_heads,
+    const std::optional<at::Tensor>& mask, double dropout_p, bool need_weights) {
+  check_block_inputs(query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p);
+  auto query_proj = at::linear(query, w_q);
+  auto key_proj = at::linear(key, w_k);
+  auto value_proj = at::linear(value, w_v);
+  auto [heads_out, weights, logsumexp, rng_state] =
+      detail::attention_forward(split_heads(query_proj, num_heads), split_heads(key_proj, num_heads),
+                                split_heads(value_proj, num_heads), mask, dropout_p, need_weights);
+  auto context = merge_heads(heads_out);
+  auto output = at::linear(context, w_o);
+  return {output, weights, query_proj, key_proj, value_proj, context, logsumexp, rng_state};
+}
+
+detail::MultiHeadAttentionBackwardResult multi_head_attention_backward_kernel(
+    const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights, const at::Tensor& query,
+    const at::Tensor& key, const at::Tensor& value, const at::Tensor& w_q, const at::Tensor& w_k, const at::Tensor& w_v,
+    const at::Tensor& w_o, const at::Tensor& query_proj, const at::Tensor& key_proj, const at::Tensor& value_proj,
+    const at::Tensor& context, const at::Tensor& logsumexp, const at::Tensor& rng_state, int64_t num_heads,
+    const std::optional<at::Tensor>& mask, double dropout_p) {
+  // output = context @ w_o^T
+  auto grad_w_o = rows(grad_output).t().mm(rows(context));
+  auto grad_context = grad_output.matmul(w_o);
+  auto [grad_q_heads, grad_k_heads, grad_v_heads] =
+      detail::attention_backward(split_heads(grad_context, num_heads), grad_weights, split_heads(query_proj, num_heads),
+                                 split_heads(key_proj, num_heads), split_heads(value_proj, num_heads), mask,
+                                 split_heads(context, num_heads), logsumexp, rng_state, dropout_p);
+  // x_proj = x @ w_x^T for x in (query, key, value)
+  auto backward_projection = [](const at::Tensor& grad_heads, const at::Tensor& input, const at::Tensor& weight) {
+    auto grad_proj = merge_heads(grad_heads);
+    return std::make_pair(grad_proj.matmul(weight), rows(grad_proj).t().mm(rows(input)));
+  };
+  auto [grad_query, grad_w_q] = backward_projection(grad_q_heads, query, w_q);
+  auto [grad_key, grad_w_k] = backward_projection(grad_k_heads, key, w_k);
+  auto [grad_value, grad_w_v] = backward_projection(grad_v_heads, value, w_v);
+  return {grad_query, grad_key, grad_value, grad_w_q, grad_w_k, grad_w_v, grad_w_o};
+}
+
+std::tuple<at::Tensor, at::Tensor> multi_head_attention_composite(const at::Tensor& query, const at::Tensor& key,
+                                                                  const at::Tensor& value, const at::Tensor& w_q,
+                                                                  const at::Tensor& w_k, const at::Tensor& w_v,
+                                                                  const at::Tensor& w_o, int64_t num_heads,
+                                                                  const std::optional<at::Tensor>& mask,
+                                                                  double dropout_p, bool need_weights) {
+  auto result = detail::multi_head_attention_forward(query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p,
+                                                     need_weights);
+  return {std::get<0>(result), std::get<1>(result)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fastmha, m) {
+  const std::vector<at::Tag> random = {at::Tag::nondeterministic_seeded};
+  m.def(
+      "multi_head_attention(Tensor query, Tensor key, Tensor value, Tensor w_q, Tensor w_k, Tensor w_v, "
+      "Tensor w_o, int num_heads, Tensor? mask=None, float dropout_p=0.0, bool need_weights=True) "
+      "-> (Tensor output, Tensor weights)",
+      random);
+  m.def(
+      "_multi_head_attention_forward(Tensor query, Tensor key, Tensor value, Tensor w_q, Tensor w_k, "
+      "Tensor w_v, Tensor w_o, int num_heads, Tensor? mask, float dropout_p, bool need_weights) "
+      "-> (Tensor output, Tensor weights, Tensor query_proj, Tensor key_proj, Tensor value_proj, "
+      "Tensor context, Tensor logsumexp, Tensor rng_state)",
+      random);
+  m.def(
+      "_multi_head_attention_backward(Tensor grad_output, Tensor? grad_weights, Tensor query, Tensor key, "
+      "Tensor value, Tensor w_q, Tensor w_k, Tensor w_v, Tensor w_o, Tensor query_proj, Tensor key_proj, "
+      "Tensor value_proj, Tensor context, Tensor logsumexp, Tensor rng_state, int num_heads, Tensor? mask, "
+      "float dropout_p) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_w_q, "
+      "Tensor grad_w_k, Tensor grad_w_v, Tensor grad_w_o)");
+}
+
+TORCH_LIBRARY_IMPL(fastmha, CompositeExplicitAutograd, m) {
+  m.impl("multi_head_attention", &multi_head_attention_composite);
+  m.impl("_multi_head_attention_forward", &multi_head_attention_forward_kernel);
+  m.impl("_multi_head_attention_backward", &multi_head_attention_backward_kernel);
+}
+
+}  // namespace fastmha

@@ -1,0 +1,53 @@
+// Counter-based dropout randomness (Philox4x32-10, Salmon et al. 2011), shared by CPU and CUDA code.
+// A keep/drop decision is a pure function of (seed, offset, element index): the backward regenerates the
+// forward's mask instead of storing it, and the result does not depend on thread count or launch shape.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define FASTMHA_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define FASTMHA_HOST_DEVICE inline
+#endif
+
+namespace fastmha::philox {
+
+FASTMHA_HOST_DEVICE uint32_t mulhilo(uint32_t a, uint32_t b, uint32_t* hi) {
+  const uint64_t product = static_cast<uint64_t>(a) * b;
+  *hi = static_cast<uint32_t>(product >> 32);
+  return static_cast<uint32_t>(product);
+}
+
+// First 32-bit word of Philox4x32-10 at counter (index, offset) under key seed.
+FASTMHA_HOST_DEVICE uint32_t random32(uint64_t seed, uint64_t offset, uint64_t index) {
+  uint32_t c0 = static_cast<uint32_t>(index), c1 = static_cast<uint32_t>(index >> 32);
+  uint32_t c2 = static_cast<uint32_t>(offset), c3 = static_cast<uint32_t>(offset >> 32);
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  for (int round = 0; round < 10; ++round) {
+    uint32_t hi0, hi1;
+    const uint32_t lo0 = mulhilo(0xD2511F53u, c0, &hi0);
+    const uint32_t lo1 = mulhilo(0xCD9E8D57u, c2, &hi1);
+    const uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+    c0 = n0;
+    c1 = lo1;
+    c2 = n2;
+    c3 = lo0;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return c0;
+}
+
+// Uniform in [0, 1) with 24 bits, exact in float.
+FASTMHA_HOST_DEVICE float uniform(uint64_t seed, uint64_t offset, uint64_t index) {
+  return static_cast<float>(random32(seed, offset, index) >> 8) * (1.0f / 16777216.0f);
+}
+
+// The multiplier dropout applies to element `index`: 0 (dropped, probability p) or 1 / (1 - p).
+template <typename T>
+FASTMHA_HOST_DEVICE T keep_scale(uint64_t seed, uint64_t offset, uint64_t index, float p, T scale) {
+  return uniform(seed, offset, index) >= p ? scale : T(0);
+}
+
+}  // namespace fastmha::philox

@@ -1,0 +1,21 @@
+// fastmha._C: what Python needs beyond torch.ops. Importing it loads libfastmha (which registers the ops);
+// the ops themselves are always called through torch.ops, never through pybind11.
+#include <pybind11/pybind11.h>
+
+#include <fastmha/build_info.h>
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "fastmha native library loader and build information";
+  m.def("build_info", [] {
+    const auto info = fastmha::build_info();
+    py::dict d;
+    d["version"] = info.version;
+    d["torch_version"] = info.torch_version;
+    d["cuda_kernels"] = info.cuda_kernels;
+    d["cuda_version"] = info.cuda_kernels ? py::object(py::str(info.cuda_version)) : py::object(py::none());
+    d["cuda_archs"] = info.cuda_archs;
+    return d;
+  });
+}

@@ -1,0 +1,64 @@
+"""fastmha.MultiHeadAttentionBlock: a drop-in for the textbook MultiHeadAttentionBlock(d_model, h, dropout)."""
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+
+class MultiHeadAttentionBlock(nn.Module):
+    """Multi-head attention with the textbook block's constructor, attributes, parameters and numbers.
+
+    Parameters (state_dict keys) are ``w_q.weight``, ``w_k.weight``, ``w_v.weight``, ``w_o.weight``: four
+    bias-free ``nn.Linear(d_model, d_model)``. ``forward(q, k, v, mask)`` takes batch-first
+    ``(batch, seq, d_model)`` tensors; where ``mask == 0`` (any dtype, broadcastable to
+    ``(batch, h, Lq, Lk)``) the score is set to -1e9 before the softmax. After each forward,
+    ``attention_scores`` holds the post-dropout weights ``(batch, h, Lq, Lk)``, or None when
+    ``need_weights`` is False (which also saves their memory).
+    """
+
+    attention_scores: Optional[Tensor]
+
+    def __init__(self, d_model: int, h: int, dropout: float, need_weights: bool = True) -> None:
+        super().__init__()
+        if not isinstance(d_model, int) or d_model <= 0:
+            raise ValueError(f"fastmha: d_model must be a positive int, got {d_model!r}")
+        if not isinstance(h, int) or h <= 0:
+            raise ValueError(f"fastmha: h must be a positive int, got {h!r}")
+        if d_model % h != 0:
+            raise ValueError(f"fastmha: d_model must be divisible by h, got d_model={d_model} and h={h}")
+        if not 0.0 <= float(dropout) < 1.0:
+            raise ValueError(f"fastmha: dropout must be in [0, 1), got {dropout!r}")
+        self.d_model = d_model
+        self.h = h
+        self.d_k = d_model // h
+        self.w_q = nn.Linear(d_model, d_model, bias=False)
+        self.w_k = nn.Linear(d_model, d_model, bias=False)
+        self.w_v = nn.Linear(d_model, d_model, bias=False)
+        self.w_o = nn.Linear(d_model, d_model, bias=False)
+        self.dropout = nn.Dropout(dropout)
+        self.need_weights = need_weights
+        self.attention_scores = None
+
+    @staticmethod
+    def attention(
+        query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], dropout: Optional[nn.Dropout]
+    ) -> Tuple[Tensor, Tensor]:
+        """The textbook static method: inputs (batch, h, seq, d_k); returns (weights @ value, weights).
+
+        ``dropout`` is an ``nn.Dropout`` (applied only while it is in training mode) or None.
+        """
+        p = dropout.p if dropout is not None and dropout.training else 0.0
+        return torch.ops.fastmha.attention(query, key, value, mask, p, True)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+        p = self.dropout.p if self.dropout.training else 0.0
+        output, weights = torch.ops.fastmha.multi_head_attention(
+            q, k, v, self.w_q.weight, self.w_k.weight, self.w_v.weight, self.w_o.weight,
+            self.h, mask, p, self.need_weights,
+        )
+        self.attention_scores = weights if self.need_weights else None
+        return output
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, h={self.h}, d_k={self.d_k}, need_weights={self.need_weights}"
