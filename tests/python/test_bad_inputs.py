@@ -1,0 +1,119 @@
+"""Bad inputs: each gets a clear error naming the argument and what it got; never a crash or garbage."""
+
+import pytest
+import torch
+
+import fastmha
+
+D, H = 8, 2
+
+
+def block_call(q=None, k=None, v=None, ws=None, heads=H, mask=None, p=0.0):
+    q = torch.randn(2, 3, D) if q is None else q
+    k = torch.randn(2, 4, D) if k is None else k
+    v = torch.randn(2, 4, D) if v is None else v
+    ws = [torch.randn(D, D) for _ in range(4)] if ws is None else ws
+    return torch.ops.fastmha.multi_head_attention(q, k, v, *ws, heads, mask, p, True)
+
+
+def core_call(q=None, k=None, v=None, mask=None, p=0.0):
+    q = torch.randn(2, 2, 3, 4) if q is None else q
+    k = torch.randn(2, 2, 5, 4) if k is None else k
+    v = torch.randn(2, 2, 5, 4) if v is None else v
+    return torch.ops.fastmha.attention(q, k, v, mask, p, True)
+
+
+@pytest.mark.parametrize("d_model,h,dropout,match", [
+    (10, 3, 0.0, r"d_model must be divisible by h, got d_model=10 and h=3"),
+    (0, 1, 0.0, r"d_model must be a positive int, got 0"),
+    (-8, 2, 0.0, r"d_model must be a positive int, got -8"),
+    (8, 0, 0.0, r"h must be a positive int, got 0"),
+    (8, -2, 0.0, r"h must be a positive int, got -2"),
+    (8, 2, 1.0, r"dropout must be in \[0, 1\), got 1.0"),
+    (8, 2, -0.1, r"dropout must be in \[0, 1\), got -0.1"),
+])
+def test_module_constructor_errors(d_model, h, dropout, match):
+    with pytest.raises(ValueError, match=match):
+        fastmha.MultiHeadAttentionBlock(d_model, h, dropout)
+
+
+BLOCK_CASES = {
+    "query not 3-D": (dict(q=torch.randn(2, 3, 4, D)), r"query must be 3-D \(batch, Lq, d_model\), got shape \[2, 3, 4, 8\]"),
+    "key not 3-D": (dict(k=torch.randn(4, D)), r"key must be 3-D .* got shape \[4, 8\]"),
+    "query last dim": (dict(q=torch.randn(2, 3, 6)), r"query must have d_model = 8 features \(last dim\), got shape \[2, 3, 6\]"),
+    "value last dim": (dict(v=torch.randn(2, 4, 9)), r"value must have d_model = 8 .* got shape \[2, 4, 9\]"),
+    "batch mismatch": (dict(k=torch.randn(3, 4, D), v=torch.randn(3, 4, D)), r"same batch size .* query \[2, 3, 8\], key \[3, 4, 8\]"),
+    "key/value length": (dict(v=torch.randn(2, 5, D)), r"key and value must have the same length \(dim 1\), got key \[2, 4, 8\], value \[2, 5, 8\]"),
+    "weight shape": (dict(ws=[torch.randn(D, D), torch.randn(D, 4), torch.randn(D, D), torch.randn(D, D)]), r"w_k must have shape \(d_model, d_model\) = \(8, 8\), got \[8, 4\]"),
+    "weight rank": (dict(ws=[torch.randn(D)] + [torch.randn(D, D)] * 3), r"w_q must be 2-D \(d_model, d_model\), got shape \[8\]"),
+    "heads do not divide": (dict(heads=3), r"d_model must be divisible by num_heads, got d_model 8 and num_heads 3"),
+    "heads zero": (dict(heads=0), r"num_heads must be positive, got 0"),
+    "dropout 1": (dict(p=1.0), r"dropout_p must be in \[0, 1\), got 1"),
+    "dropout negative": (dict(p=-0.5), r"dropout_p must be in \[0, 1\), got -0.5"),
+    "dropout nan": (dict(p=float("nan")), r"dropout_p must be in \[0, 1\), got nan"),
+    "integer inputs": (dict(q=torch.ones(2, 3, D, dtype=torch.long)), r"query must be a floating-point tensor .* got Long"),
+    "dtype mismatch": (dict(k=torch.randn(2, 4, D, dtype=torch.float64)), r"key must have the query's dtype Float, got Double"),
+    "weight dtype": (dict(ws=[torch.randn(D, D, dtype=torch.float64)] + [torch.randn(D, D)] * 3), r"w_q must have the query's dtype Float, got Double"),
+    "mask not broadcastable": (dict(mask=torch.ones(2, 1, 3, 5)), r"mask of shape \[2, 1, 3, 5\] does not broadcast to the scores \(batch, h, Lq, Lk\) \[2, 2, 3, 4\]"),
+    "mask too many dims": (dict(mask=torch.ones(1, 2, 1, 3, 4)), r"mask must have at most 4 dims .* got shape \[1, 2, 1, 3, 4\]"),
+    "mask would grow the scores": (dict(mask=torch.ones(4, 2, 3, 4)), r"does not broadcast"),
+    "complex mask": (dict(mask=torch.ones(4, dtype=torch.complex64)), r"mask must be a real or bool tensor, got ComplexFloat"),
+}
+
+
+@pytest.mark.parametrize("kwargs,match", list(BLOCK_CASES.values()), ids=list(BLOCK_CASES))
+def test_block_op_errors(kwargs, match):
+    with pytest.raises(RuntimeError, match=match):
+        block_call(**kwargs)
+
+
+CORE_CASES = {
+    "query not 4-D": (dict(q=torch.randn(2, 3, 4)), r"query must be 4-D \(batch, h, Lq, d_k\), got shape \[2, 3, 4\]"),
+    "d_k mismatch": (dict(k=torch.randn(2, 2, 5, 3)), r"key must have the query's head size d_k \(dim 3\)"),
+    "heads mismatch": (dict(k=torch.randn(2, 3, 5, 4), v=torch.randn(2, 3, 5, 4)), r"same number of heads"),
+    "key/value length": (dict(v=torch.randn(2, 2, 6, 4)), r"key and value must have the same length \(dim 2\)"),
+    "zero head size": (dict(q=torch.randn(2, 2, 3, 0), k=torch.randn(2, 2, 5, 0)), r"head size d_k .* must be positive"),
+    "half mask mismatch": (dict(mask=torch.ones(3, 4)), r"mask of shape \[3, 4\] does not broadcast .* \[2, 2, 3, 5\]"),
+    "bool inputs": (dict(q=torch.ones(2, 2, 3, 4, dtype=torch.bool)), r"floating-point tensor .* got Bool"),
+}
+
+
+@pytest.mark.parametrize("kwargs,match", list(CORE_CASES.values()), ids=list(CORE_CASES))
+def test_core_op_errors(kwargs, match):
+    with pytest.raises(RuntimeError, match=match):
+        core_call(**kwargs)
+
+
+def test_module_forward_errors_name_the_argument():
+    block = fastmha.MultiHeadAttentionBlock(D, H, 0.0)
+    with pytest.raises(RuntimeError, match=r"query must be 3-D"):
+        block(torch.randn(3, D), torch.randn(3, D), torch.randn(3, D), None)
+    with pytest.raises(RuntimeError, match=r"w_q must have the query's dtype Double, got Float"):
+        x = torch.randn(1, 2, D, dtype=torch.float64)
+        block(x, x, x, None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_mismatch_errors():
+    with pytest.raises(RuntimeError, match=r"key must be on the query's device cpu, got cuda"):
+        core_call(k=torch.randn(2, 2, 5, 4, device="cuda"))
+    with pytest.raises(RuntimeError, match=r"mask must be on the query's device cpu, got cuda"):
+        core_call(mask=torch.ones(5, device="cuda"))
+
+
+def test_device_mismatch_with_meta_tensors():
+    # Meta stands in for a second device on machines without a GPU: the check is the same.
+    with pytest.raises(RuntimeError, match=r"key must be on the query's device cpu, got meta"):
+        core_call(k=torch.randn(2, 2, 5, 4, device="meta"))
+    with pytest.raises(RuntimeError, match=r"mask must be on the query's device cpu, got meta"):
+        core_call(mask=torch.ones(5, device="meta"))
+
+
+def test_empty_batch_and_zero_length_through_the_module():
+    block = fastmha.MultiHeadAttentionBlock(D, H, 0.1)
+    for q_shape, kv_shape in [((0, 3, D), (0, 4, D)), ((2, 0, D), (2, 4, D)), ((2, 3, D), (2, 0, D))]:
+        q, kv = torch.randn(q_shape), torch.randn(kv_shape)
+        out = block(q, kv, kv, None)
+        assert out.shape == q_shape
+        assert block.attention_scores.shape == (q_shape[0], H, q_shape[1], kv_shape[1])
+        assert torch.isfinite(out).all()

@@ -1,0 +1,70 @@
+"""torch.library.opcheck on every fastmha op: schema, autograd registration, fake/meta kernels, AOT dispatch.
+
+Dropout is 0 here (opcheck compares repeated runs); dropout is tested on its own elsewhere.
+"""
+
+import pytest
+import torch
+
+import fastmha  # noqa: F401
+
+OPS = torch.ops.fastmha
+
+
+def core_args(device, requires_grad, mask_kind):
+    q, k, v = (torch.randn(2, 3, n, 4, device=device, dtype=torch.float64, requires_grad=requires_grad)
+               for n in (5, 6, 6))
+    mask = {"none": None,
+            "bool": torch.rand(2, 1, 1, 6, device=device) > 0.3,
+            "float-2d": (torch.rand(5, 6, device=device) > 0.3).double()}[mask_kind]
+    return q, k, v, mask
+
+
+def block_args(device, requires_grad, mask_kind):
+    x = torch.randn(2, 5, 8, device=device, dtype=torch.float64, requires_grad=requires_grad)
+    kv = torch.randn(2, 6, 8, device=device, dtype=torch.float64, requires_grad=requires_grad)
+    ws = [torch.randn(8, 8, device=device, dtype=torch.float64, requires_grad=requires_grad) for _ in range(4)]
+    mask = {"none": None,
+            "bool": torch.rand(2, 1, 1, 6, device=device) > 0.3,
+            "float-2d": (torch.rand(5, 6, device=device) > 0.3).double()}[mask_kind]
+    return x, kv, ws, mask
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float-2d"])
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_opcheck_attention(device, requires_grad, mask_kind, need_weights):
+    q, k, v, mask = core_args(device, requires_grad, mask_kind)
+    torch.library.opcheck(OPS.attention.default, (q, k, v, mask, 0.0, need_weights))
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float-2d"])
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_opcheck_multi_head_attention(device, requires_grad, mask_kind, need_weights):
+    x, kv, ws, mask = block_args(device, requires_grad, mask_kind)
+    torch.library.opcheck(OPS.multi_head_attention.default, (x, kv, kv, *ws, 2, mask, 0.0, need_weights))
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool"])
+def test_opcheck_internal_attention_ops(device, mask_kind):
+    q, k, v, mask = core_args(device, False, mask_kind)
+    torch.library.opcheck(OPS._attention_forward.default, (q, k, v, mask, 0.0, True))
+    out, _, lse, rng_state = OPS._attention_forward(q, k, v, mask, 0.0, False)
+    grad_out = torch.randn_like(out)
+    grad_weights = torch.randn(2, 3, 5, 6, device=device, dtype=torch.float64)
+    torch.library.opcheck(OPS._attention_backward.default,
+                          (grad_out, grad_weights, q, k, v, mask, out, lse, rng_state, 0.0))
+    torch.library.opcheck(OPS._attention_backward.default, (grad_out, None, q, k, v, mask, out, lse, rng_state, 0.0))
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool"])
+def test_opcheck_internal_block_ops(device, mask_kind):
+    x, kv, ws, mask = block_args(device, False, mask_kind)
+    torch.library.opcheck(OPS._multi_head_attention_forward.default, (x, kv, kv, *ws, 2, mask, 0.0, True))
+    out, weights, qp, kp, vp, ctx, lse, rng_state = OPS._multi_head_attention_forward(x, kv, kv, *ws, 2, mask,
+                                                                                        0.0, True)
+    torch.library.opcheck(
+        OPS._multi_head_attention_backward.default,
+        (torch.randn_like(out), torch.randn_like(weights), x, kv, kv, *ws, qp, kp, vp, ctx, lse, rng_state, 2, mask,
+         0.0))
