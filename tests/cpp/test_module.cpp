@@ -1,0 +1,90 @@
+// The C++ module fastmha::MultiHeadAttention: parameter names, numbers, weights, modes and training.
+#include <torch/torch.h>
+
+#include <fastmha/module.h>
+#include <catch2/catch.hpp>
+
+#include "oracle.h"
+
+TEST_CASE("parameters are named like the Python module", "[module]") {
+  fastmha::MultiHeadAttention mha(fastmha::MultiHeadAttentionOptions(16, 4).dropout(0.1));
+  std::vector<std::string> names;
+  for (const auto& item : mha->named_parameters()) {
+    names.push_back(item.key());
+    CHECK(item.value().sizes() == torch::IntArrayRef({16, 16}));
+  }
+  CHECK(names == std::vector<std::string>{"w_q.weight", "w_k.weight", "w_v.weight", "w_o.weight"});
+}
+
+TEST_CASE("forward matches the oracle and keeps the weights", "[module]") {
+  torch::manual_seed(2);
+  fastmha::MultiHeadAttention mha(16, 4);
+  mha->to(torch::kFloat64);
+  auto x = torch::randn({2, 5, 16}, torch::kFloat64);
+  auto mask = torch::tril(torch::ones({5, 5}));
+  auto out = mha(x, x, x, mask);
+  auto [ref_out, ref_weights] =
+      oracle::block(x, x, x, mha->w_q->weight, mha->w_k->weight, mha->w_v->weight, mha->w_o->weight, 4, mask);
+  CHECK(oracle::close(out, ref_out));
+  CHECK(oracle::close(mha->attention_scores(), ref_weights));
+  // The mask is optional (default argument, also through AnyModule / Sequential).
+  CHECK(oracle::close(
+      mha(x, x, x),
+      oracle::block(x, x, x, mha->w_q->weight, mha->w_k->weight, mha->w_v->weight, mha->w_o->weight, 4).first));
+}
+
+TEST_CASE("need_weights=false keeps no weights", "[module]") {
+  fastmha::MultiHeadAttention mha(fastmha::MultiHeadAttentionOptions(8, 2).need_weights(false));
+  auto x = torch::randn({1, 3, 8});
+  mha(x, x, x);
+  CHECK_FALSE(mha->attention_scores().defined());
+}
+
+TEST_CASE("dropout only in training mode", "[module]") {
+  fastmha::MultiHeadAttention mha(fastmha::MultiHeadAttentionOptions(8, 2).dropout(0.5));
+  auto x = torch::randn({2, 16, 8});
+  mha->eval();
+  CHECK(torch::equal(mha(x, x, x), mha(x, x, x)));
+  CHECK((mha->attention_scores() == 0).sum().item<int64_t>() == 0);
+  mha->train();
+  mha(x, x, x);
+  const double dropped = (mha->attention_scores() == 0).to(torch::kFloat64).mean().item<double>();
+  CHECK(dropped > 0.4);
+  CHECK(dropped < 0.6);
+}
+
+TEST_CASE("invalid options are rejected", "[module]") {
+  CHECK_THROWS_WITH(fastmha::MultiHeadAttention(10, 3), Catch::Contains("d_model must be divisible by heads"));
+  CHECK_THROWS_WITH(fastmha::MultiHeadAttention(fastmha::MultiHeadAttentionOptions(8, 2).dropout(1.0)),
+                    Catch::Contains("dropout must be in [0, 1), got 1"));
+  CHECK_THROWS_WITH(fastmha::MultiHeadAttention(0, 1), Catch::Contains("d_model must be positive"));
+}
+
+TEST_CASE("clone gives independent parameters", "[module]") {
+  fastmha::MultiHeadAttention mha(8, 2);
+  auto copy = std::dynamic_pointer_cast<fastmha::MultiHeadAttentionImpl>(mha->clone());
+  REQUIRE(copy);
+  torch::NoGradGuard no_grad;
+  copy->w_q->weight.add_(1.0);
+  CHECK_FALSE(torch::equal(copy->w_q->weight, mha->w_q->weight));
+}
+
+TEST_CASE("a tiny model trains in C++ through the Autograd kernel", "[module]") {
+  torch::manual_seed(3);
+  fastmha::MultiHeadAttention mha(8, 2);
+  torch::nn::Linear head(8, 1);
+  std::vector<torch::Tensor> params = mha->parameters();
+  for (auto& p : head->parameters()) params.push_back(p);
+  torch::optim::Adam optimizer(params, torch::optim::AdamOptions(1e-2));
+  auto x = torch::randn({8, 4, 8});
+  auto target = x.sum({1, 2}).unsqueeze(1) * 0.05;
+  double first = 0, last = 0;
+  for (int step = 0; step < 40; ++step) {
+    optimizer.zero_grad();
+    auto loss = (head(mha(x, x, x).mean(1)) - target).pow(2).mean();
+    loss.backward();
+    optimizer.step();
+    (step == 0 ? first : last) = loss.item<double>();
+  }
+  CHECK(last < 0.5 * first);
+}
