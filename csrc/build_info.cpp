@@ -1,5 +1,7 @@
 #include <fastmha/build_info.h>
 
+#include "ops/cpu/cpu_capability.h"
+
 namespace fastmha {
 
 BuildInfo build_info() {
@@ -9,5 +11,7 @@ BuildInfo build_info() {
   return {FASTMHA_VERSION, TORCH_BUILD_VERSION, false, "", ""};
 #endif
 }
+
+std::string cpu_capability() { return cpu::capability_name(); }
 
 }  // namespace fastmha

@@ -1,6 +1,6 @@
 // Dropout on attention weights as a tensor of per-element multipliers (0 or 1/(1-p)) for the scores'
-// contiguous (batch, h, Lq, Lk) layout. Each backend implements the pair; the ATen implementation of the
-// attention core receives the right one for its device.
+// contiguous (batch, h, Lq, Lk) layout, for the ATen implementation of the attention core (the CPU kernels
+// apply dropout inside their fused row pass instead).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -17,7 +17,6 @@ struct DropoutKernels {
   at::Tensor (*replay)(at::IntArrayRef sizes, double p, const at::TensorOptions& options, const at::Tensor& rng_state);
 };
 
-DropoutKernels cpu_dropout_kernels();
 #ifdef FASTMHA_WITH_CUDA
 DropoutKernels cuda_dropout_kernels();
 #endif

@@ -19,9 +19,13 @@ FASTMHA_HOST_DEVICE uint32_t mulhilo(uint32_t a, uint32_t b, uint32_t* hi) {
   return static_cast<uint32_t>(product);
 }
 
-// First 32-bit word of Philox4x32-10 at counter (index, offset) under key seed.
-FASTMHA_HOST_DEVICE uint32_t random32(uint64_t seed, uint64_t offset, uint64_t index) {
-  uint32_t c0 = static_cast<uint32_t>(index), c1 = static_cast<uint32_t>(index >> 32);
+// Philox4x32-10 block at counter (counter, offset) under key seed: four independent 32-bit words.
+struct Block {
+  uint32_t word[4];
+};
+
+FASTMHA_HOST_DEVICE Block random4(uint64_t seed, uint64_t offset, uint64_t counter) {
+  uint32_t c0 = static_cast<uint32_t>(counter), c1 = static_cast<uint32_t>(counter >> 32);
   uint32_t c2 = static_cast<uint32_t>(offset), c3 = static_cast<uint32_t>(offset >> 32);
   uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
   for (int round = 0; round < 10; ++round) {
@@ -36,12 +40,16 @@ FASTMHA_HOST_DEVICE uint32_t random32(uint64_t seed, uint64_t offset, uint64_t i
     k0 += 0x9E3779B9u;
     k1 += 0xBB67AE85u;
   }
-  return c0;
+  return {{c0, c1, c2, c3}};
 }
 
-// Uniform in [0, 1) with 24 bits, exact in float.
+// Uniform in [0, 1) with 24 bits (exact in float) from one 32-bit word.
+FASTMHA_HOST_DEVICE float to_uniform(uint32_t word) { return static_cast<float>(word >> 8) * (1.0f / 16777216.0f); }
+
+// The uniform draw of element `index`: word index % 4 of the block at counter index / 4. Kernels that walk
+// elements in order compute each block once and use its four words.
 FASTMHA_HOST_DEVICE float uniform(uint64_t seed, uint64_t offset, uint64_t index) {
-  return static_cast<float>(random32(seed, offset, index) >> 8) * (1.0f / 16777216.0f);
+  return to_uniform(random4(seed, offset, index >> 2).word[index & 3]);
 }
 
 // The multiplier dropout applies to element `index`: 0 (dropped, probability p) or 1 / (1 - p).

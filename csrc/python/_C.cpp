@@ -18,4 +18,5 @@ PYBIND11_MODULE(_C, m) {
     d["cuda_archs"] = info.cuda_archs;
     return d;
   });
+  m.def("cpu_capability", &fastmha::cpu_capability, "CPU kernel variant in use: avx512, avx2 or default");
 }

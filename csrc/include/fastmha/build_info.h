@@ -15,4 +15,7 @@ struct BuildInfo {
 
 BuildInfo build_info();
 
+// The CPU kernel variant this process runs: "avx512", "avx2" or "default" (ATEN_CPU_CAPABILITY can lower it).
+std::string cpu_capability();
+
 }  // namespace fastmha

@@ -1,25 +1,177 @@
-// CPU kernels of the attention core (for now the ATen implementation with CPU dropout; fused kernels replace it).
+// CPU kernels of the attention core: input checks, dtype handling and the hand-off to the fused kernels
+// (attention_kernel_impl.cpp, one variant per CPU capability). Half types are widened to fp32 for the
+// kernels and narrowed back, so scores, softmax and gradients accumulate in fp32.
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "ops/aten/attention_aten.h"
+#include <mutex>
+
+#include "ops/attention_ops.h"
 #include "ops/checks.h"
+#include "ops/cpu/attention_params.h"
+#include "ops/cpu/cpu_capability.h"
 
 namespace fastmha {
 namespace {
+
+// q/k/v in the accumulation type with a unit-stride last dim and row strides BLAS accepts.
+at::Tensor kernel_operand(const at::Tensor& x, at::ScalarType acc) {
+  auto y = x.to(acc);
+  if (y.stride(3) != 1 || y.stride(2) < std::max<int64_t>(1, y.size(3))) {
+    y = y.contiguous();
+  }
+  return y;
+}
+
+template <typename T>
+cpu::AttentionInputs<T> kernel_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const at::Tensor& mask, double dropout_p, uint64_t seed, uint64_t offset) {
+  auto strides = [](const at::Tensor& t) { return cpu::Strides3{t.stride(0), t.stride(1), t.stride(2)}; };
+  cpu::AttentionInputs<T> in{};
+  in.q = q.const_data_ptr<T>();
+  in.k = k.const_data_ptr<T>();
+  in.v = v.const_data_ptr<T>();
+  in.q_stride = strides(q);
+  in.k_stride = strides(k);
+  in.v_stride = strides(v);
+  in.batch = q.size(0);
+  in.heads = q.size(1);
+  in.len_q = q.size(2);
+  in.len_k = k.size(2);
+  in.d_k = q.size(3);
+  in.d_v = v.size(3);
+  in.mask = mask.defined() ? mask.const_data_ptr<bool>() : nullptr;
+  for (int i = 0; i < 4 && mask.defined(); ++i) {
+    in.mask_stride[i] = mask.stride(i);
+  }
+  in.scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(in.d_k)));
+  in.dropout_p = dropout_p;
+  in.seed = seed;
+  in.offset = offset;
+  return in;
+}
+
+// A bool view of the mask broadcast to the scores through strides: only the user's (small) mask is converted.
+at::Tensor broadcast_mask(const std::optional<at::Tensor>& mask, const at::Tensor& q, const at::Tensor& k) {
+  if (!mask.has_value()) {
+    return {};
+  }
+  return mask->to(at::kBool).expand({q.size(0), q.size(1), q.size(2), k.size(2)});
+}
+
+// (seed, offset) of a fresh Philox stream from ATen's default CPU generator, under its lock.
+at::Tensor draw_rng_state() {
+  auto* gen = at::get_generator_or_default<at::CPUGeneratorImpl>(std::nullopt, at::detail::getDefaultCPUGenerator());
+  uint64_t seed = 0;
+  {
+    std::lock_guard<std::mutex> lock(gen->mutex_);
+    seed = gen->random64();
+  }
+  auto state = at::empty({2}, at::kLong);
+  state.data_ptr<int64_t>()[0] = static_cast<int64_t>(seed);
+  state.data_ptr<int64_t>()[1] = 0;
+  return state;
+}
+
+template <typename T, typename Args, typename Results>
+void run_forward(const Args& in, const Results& out) {
+  switch (cpu::capability()) {
+#ifdef FASTMHA_CPU_X86
+    case cpu::Capability::AVX512:
+      return cpu::AVX512::attention_forward(in, out);
+    case cpu::Capability::AVX2:
+      return cpu::AVX2::attention_forward(in, out);
+#endif
+    default:
+      return cpu::DEFAULT::attention_forward(in, out);
+  }
+}
+
+template <typename T, typename Args, typename Grads>
+void run_backward(const Args& in, const Grads& grads) {
+  switch (cpu::capability()) {
+#ifdef FASTMHA_CPU_X86
+    case cpu::Capability::AVX512:
+      return cpu::AVX512::attention_backward(in, grads);
+    case cpu::Capability::AVX2:
+      return cpu::AVX2::attention_backward(in, grads);
+#endif
+    default:
+      return cpu::DEFAULT::attention_backward(in, grads);
+  }
+}
 
 detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query, const at::Tensor& key,
                                                         const at::Tensor& value, const std::optional<at::Tensor>& mask,
                                                         double dropout_p, bool need_weights) {
   check_attention_inputs(query, key, value, mask, dropout_p);
-  return aten_impl::attention_forward(query, key, value, mask, dropout_p, need_weights, cpu_dropout_kernels());
+  const auto dtype = query.scalar_type();
+  const auto acc = at::toOpMathType(dtype);
+  const int64_t batch = query.size(0), heads = query.size(1), len_q = query.size(2), len_k = key.size(2);
+  const auto acc_options = query.options().dtype(acc);
+  auto output = at::empty({batch, heads, len_q, value.size(3)}, acc_options);
+  auto weights = need_weights ? at::empty({batch, heads, len_q, len_k}, acc_options) : at::empty({0}, acc_options);
+  auto logsumexp = at::empty({batch, heads, len_q}, acc_options);
+  auto rng_state = dropout_p > 0 ? draw_rng_state() : at::zeros({2}, at::kLong);
+  const auto q = kernel_operand(query, acc), k = kernel_operand(key, acc), v = kernel_operand(value, acc);
+  const auto mask_view = broadcast_mask(mask, query, key);
+  const auto* state = rng_state.const_data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES(acc, "fastmha_cpu_attention_forward", [&] {
+    const auto in = kernel_inputs<scalar_t>(q, k, v, mask_view, dropout_p, state[0], state[1]);
+    const cpu::AttentionForwardOutputs<scalar_t> out{output.data_ptr<scalar_t>(),
+                                                     need_weights ? weights.data_ptr<scalar_t>() : nullptr,
+                                                     logsumexp.data_ptr<scalar_t>()};
+    run_forward<scalar_t>(in, out);
+  });
+  return {output.to(dtype), weights.to(dtype), logsumexp, rng_state};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights, const at::Tensor& query,
     const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& mask, const at::Tensor& output,
     const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p) {
-  return aten_impl::attention_backward(grad_output, grad_weights, query, key, value, mask, output, logsumexp, rng_state,
-                                       dropout_p, cpu_dropout_kernels());
+  const auto acc = at::toOpMathType(query.scalar_type());
+  const int64_t batch = query.size(0), heads = query.size(1), len_q = query.size(2), len_k = key.size(2);
+  const int64_t d_k = query.size(3), d_v = value.size(3);
+  const int64_t chunk = std::min<int64_t>(cpu::query_chunk(len_k), std::max<int64_t>(len_q, 1));
+  const int64_t chunks = (len_q + chunk - 1) / chunk;
+  const int64_t heads_total = batch * heads;
+  // Enough independent ranges for every thread, even with a single head (each range keeps its own dK/dV).
+  const int64_t threads = at::get_num_threads();
+  const int64_t splits = heads_total == 0 ? 1
+                                          : std::clamp<int64_t>((2 * threads + heads_total - 1) / heads_total, 1,
+                                                                std::max<int64_t>(chunks, 1));
+  const auto acc_options = query.options().dtype(acc);
+  auto grad_q = at::empty({batch, heads, len_q, d_k}, acc_options);
+  auto grad_k_partial = at::empty({heads_total, splits, len_k, d_k}, acc_options);
+  auto grad_v_partial = at::empty({heads_total, splits, len_k, d_v}, acc_options);
+  const auto q = kernel_operand(query, acc), k = kernel_operand(key, acc), v = kernel_operand(value, acc);
+  const auto grad_out = grad_output.to(acc).contiguous();
+  const bool has_grad_weights = grad_weights.has_value() && grad_weights->defined();
+  const auto grad_w = has_grad_weights ? grad_weights->to(acc).contiguous() : at::Tensor();
+  const auto lse = logsumexp.to(acc).contiguous();
+  const auto mask_view = broadcast_mask(mask, query, key);
+  const auto state = rng_state.to(at::kCPU).contiguous();
+  const auto* seed_offset = state.const_data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES(acc, "fastmha_cpu_attention_backward", [&] {
+    const auto in = kernel_inputs<scalar_t>(q, k, v, mask_view, dropout_p, seed_offset[0], seed_offset[1]);
+    const cpu::AttentionBackwardTensors<scalar_t> grads{grad_out.const_data_ptr<scalar_t>(),
+                                                        has_grad_weights ? grad_w.const_data_ptr<scalar_t>() : nullptr,
+                                                        lse.const_data_ptr<scalar_t>(),
+                                                        grad_q.data_ptr<scalar_t>(),
+                                                        grad_k_partial.data_ptr<scalar_t>(),
+                                                        grad_v_partial.data_ptr<scalar_t>(),
+                                                        splits};
+    run_backward<scalar_t>(in, grads);
+  });
+  auto reduce = [&](const at::Tensor& partial, int64_t d, const at::Tensor& like) {
+    auto summed = splits == 1 ? partial.select(1, 0) : partial.sum(1);
+    return summed.view({batch, heads, len_k, d}).to(like.scalar_type());
+  };
+  return {grad_q.to(query.scalar_type()), reduce(grad_k_partial, d_k, key), reduce(grad_v_partial, d_v, value)};
 }
 
 }  // namespace

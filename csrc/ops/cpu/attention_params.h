@@ -1,0 +1,64 @@
+// What the fused CPU attention kernels read and write. Tensors arrive in the accumulation type T (float or
+// double; half types are widened by the caller); q/k/v rows have unit stride in the last dim and any other
+// strides; the mask is a bool view broadcast to (B, H, Lq, Lk) through its strides (zeros where broadcast).
+#pragma once
+
+#include <cstdint>
+
+namespace fastmha::cpu {
+
+struct Strides3 {
+  int64_t batch, head, row;  // the last dim is contiguous
+};
+
+template <typename T>
+struct AttentionInputs {
+  const T* q;
+  const T* k;
+  const T* v;
+  Strides3 q_stride, k_stride, v_stride;
+  int64_t batch, heads, len_q, len_k, d_k, d_v;
+  const bool* mask;  // nullptr: no mask; true = attend, false = filled with -1e9
+  int64_t mask_stride[4];
+  T scale;  // 1 / sqrt(d_k)
+  double dropout_p;
+  uint64_t seed, offset;  // Philox stream of this call's dropout
+};
+
+template <typename T>
+struct AttentionForwardOutputs {
+  T* out;      // (B, H, Lq, d_v) contiguous
+  T* weights;  // (B, H, Lq, Lk) contiguous, or nullptr when the weights are not kept
+  T* lse;      // (B, H, Lq) log-sum-exp of the masked, scaled scores
+};
+
+template <typename T>
+struct AttentionBackwardTensors {
+  const T* grad_out;      // (B, H, Lq, d_v) contiguous
+  const T* grad_weights;  // (B, H, Lq, Lk) contiguous, or nullptr
+  const T* lse;           // (B, H, Lq)
+  T* grad_q;              // (B, H, Lq, d_k) contiguous
+  T* grad_k_partial;      // (B * H, splits, Lk, d_k): per-split partial sums, reduced by the caller
+  T* grad_v_partial;      // (B * H, splits, Lk, d_v)
+  int64_t splits;         // query-chunk ranges per head processed in parallel
+};
+
+// Rows of queries one task handles at a time: sized so its score rows stay cache-resident.
+inline int64_t query_chunk(int64_t len_k) { return len_k > 2048 ? 32 : 64; }
+
+// One implementation per CPU capability (compiled with its own vector ISA flags); see cpu/cpu_capability.cpp.
+#define FASTMHA_DECLARE_CPU_KERNELS(capability)                                                     \
+  namespace capability {                                                                            \
+  void attention_forward(const AttentionInputs<float>&, const AttentionForwardOutputs<float>&);     \
+  void attention_forward(const AttentionInputs<double>&, const AttentionForwardOutputs<double>&);   \
+  void attention_backward(const AttentionInputs<float>&, const AttentionBackwardTensors<float>&);   \
+  void attention_backward(const AttentionInputs<double>&, const AttentionBackwardTensors<double>&); \
+  }
+
+FASTMHA_DECLARE_CPU_KERNELS(DEFAULT)
+#ifdef FASTMHA_CPU_X86
+FASTMHA_DECLARE_CPU_KERNELS(AVX2)
+FASTMHA_DECLARE_CPU_KERNELS(AVX512)
+#endif
+
+}  // namespace fastmha::cpu

@@ -1,0 +1,43 @@
+#include "ops/cpu/cpu_capability.h"
+
+#include <cstdlib>
+#include <cstring>
+
+namespace fastmha::cpu {
+namespace {
+
+Capability detect() {
+#ifdef FASTMHA_CPU_X86
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const char* requested = std::getenv("ATEN_CPU_CAPABILITY");
+  if (requested != nullptr) {
+    if (std::strcmp(requested, "default") == 0) return Capability::DEFAULT;
+    if (std::strcmp(requested, "avx2") == 0) return avx2 ? Capability::AVX2 : Capability::DEFAULT;
+  }
+  if (avx512) return Capability::AVX512;
+  if (avx2) return Capability::AVX2;
+#endif
+  return Capability::DEFAULT;
+}
+
+}  // namespace
+
+Capability capability() {
+  static const Capability chosen = detect();  // fixed for the process, like torch's own choice
+  return chosen;
+}
+
+std::string capability_name() {
+  switch (capability()) {
+    case Capability::AVX512:
+      return "avx512";
+    case Capability::AVX2:
+      return "avx2";
+    default:
+      return "default";
+  }
+}
+
+}  // namespace fastmha::cpu
