@@ -58,12 +58,13 @@ void apply_mask(T* s, int64_t n, const bool* mask_row, int64_t col_stride) {
   }
 }
 
-// In place: s <- softmax(s); returns the log-sum-exp (-inf for an empty row).
+// In place: s <- exp(s - max(s)); returns {max, sum of the exponentials}. The caller normalizes, either the
+// row itself (weights kept) or, cheaper, the row's output after the GEMM.
 template <typename T>
-T softmax_row(T* s, int64_t n) {
+std::pair<T, T> exp_row(T* s, int64_t n) {
   using Vec = Vectorized<T>;
   if (n == 0) {
-    return -std::numeric_limits<T>::infinity();
+    return {-std::numeric_limits<T>::infinity(), T(0)};
   }
   const T max = at::vec::reduce_all<T>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s, n);
   const Vec max_vec(max);
@@ -79,9 +80,13 @@ T softmax_row(T* s, int64_t n) {
     s[j] = std::exp(s[j] - max);
     sum += s[j];
   }
-  const T inv = T(1) / sum;
-  at::vec::map([inv](Vec x) { return x * Vec(inv); }, s, s, n);
-  return max + std::log(sum);
+  return {max, sum};
+}
+
+template <typename T>
+void scale_row(T* x, int64_t n, T factor) {
+  using Vec = Vectorized<T>;
+  at::vec::map([factor](Vec v) { return v * Vec(factor); }, x, x, n);
 }
 
 // Dropout keep multipliers for elements first .. first + n - 1 of the (B, H, Lq, Lk) score layout, from the
@@ -118,7 +123,7 @@ void forward_impl(const AttentionInputs<T>& in, const AttentionForwardOutputs<T>
   const int64_t chunks = (in.len_q + chunk - 1) / chunk;
   const int64_t tasks = in.batch * in.heads * chunks;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> buffer(out.weights ? 0 : chunk * in.len_k);
+    std::vector<T> buffer(out.weights ? 0 : chunk * in.len_k), inv_sum(chunk);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / chunks, row0 = (task % chunks) * chunk;
       const int64_t rows = std::min(chunk, in.len_q - row0);
@@ -126,16 +131,27 @@ void forward_impl(const AttentionInputs<T>& in, const AttentionForwardOutputs<T>
       const int64_t first_row = bh * in.len_q + row0;  // row index in (B*H*Lq)
       T* scores = out.weights ? out.weights + first_row * in.len_k : buffer.data();
       chunk_scores(in, head, row0, rows, scores);
+      T* out_rows = out.out + first_row * in.d_v;
       for (int64_t r = 0; r < rows; ++r) {
         T* s = scores + r * in.len_k;
-        out.lse[first_row + r] = softmax_row(s, in.len_k);
+        const auto [max, sum] = exp_row(s, in.len_k);
+        out.lse[first_row + r] = max + std::log(sum);
+        inv_sum[r] = T(1) / sum;
+        if (out.weights) {
+          scale_row(s, in.len_k, inv_sum[r]);
+        }
         if (in.dropout_p > 0) {
           const auto first = static_cast<uint64_t>((first_row + r) * in.len_k);
           for_each_keep(in, first, in.len_k, [s](int64_t j, T keep) { s[j] *= keep; });
         }
       }
-      gemm<T>(false, false, rows, in.d_v, in.len_k, T(1), scores, in.len_k, head.v, in.v_stride.row, T(0),
-              out.out + first_row * in.d_v, in.d_v);
+      gemm<T>(false, false, rows, in.d_v, in.len_k, T(1), scores, in.len_k, head.v, in.v_stride.row, T(0), out_rows,
+              in.d_v);
+      if (!out.weights) {  // normalize d_v outputs per row instead of Lk weights
+        for (int64_t r = 0; r < rows; ++r) {
+          scale_row(out_rows + r * in.d_v, in.d_v, in.len_k > 0 ? inv_sum[r] : T(0));
+        }
+      }
     }
   });
 }
