@@ -10,31 +10,33 @@
 namespace fastmha {
 
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                                             const std::optional<at::Tensor>& mask, double dropout_p,
-                                             bool need_weights) {
+                                             const std::optional<at::Tensor>& mask, double dropout_p, bool need_weights,
+                                             bool is_causal) {
   static auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("fastmha::attention", "").typed<decltype(attention)>();
-  return op.call(query, key, value, mask, dropout_p, need_weights);
+  return op.call(query, key, value, mask, dropout_p, need_weights, is_causal);
 }
 
 namespace detail {
 
 AttentionForwardResult attention_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                                         const std::optional<at::Tensor>& mask, double dropout_p, bool need_weights) {
+                                         const std::optional<at::Tensor>& mask, double dropout_p, bool need_weights,
+                                         bool is_causal) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastmha::_attention_forward", "")
                        .typed<decltype(attention_forward)>();
-  return op.call(query, key, value, mask, dropout_p, need_weights);
+  return op.call(query, key, value, mask, dropout_p, need_weights, is_causal);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights, const at::Tensor& query,
     const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& mask, const at::Tensor& output,
-    const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p) {
+    const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p, bool is_causal) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastmha::_attention_backward", "")
                        .typed<decltype(attention_backward)>();
-  return op.call(grad_output, grad_weights, query, key, value, mask, output, logsumexp, rng_state, dropout_p);
+  return op.call(grad_output, grad_weights, query, key, value, mask, output, logsumexp, rng_state, dropout_p,
+                 is_causal);
 }
 
 }  // namespace detail
@@ -44,8 +46,8 @@ namespace {
 // Without autograd (inference mode, or below the Autograd key) the public op is its forward, trimmed.
 std::tuple<at::Tensor, at::Tensor> attention_composite(const at::Tensor& query, const at::Tensor& key,
                                                        const at::Tensor& value, const std::optional<at::Tensor>& mask,
-                                                       double dropout_p, bool need_weights) {
-  auto result = detail::attention_forward(query, key, value, mask, dropout_p, need_weights);
+                                                       double dropout_p, bool need_weights, bool is_causal) {
+  auto result = detail::attention_forward(query, key, value, mask, dropout_p, need_weights, is_causal);
   return {std::get<0>(result), std::get<1>(result)};
 }
 
@@ -56,15 +58,15 @@ TORCH_LIBRARY(fastmha, m) {
   const std::vector<at::Tag> random = {at::Tag::nondeterministic_seeded};
   m.def(
       "attention(Tensor query, Tensor key, Tensor value, Tensor? mask=None, float dropout_p=0.0, "
-      "bool need_weights=True) -> (Tensor output, Tensor weights)",
+      "bool need_weights=True, bool is_causal=False) -> (Tensor output, Tensor weights)",
       random);
   m.def(
       "_attention_forward(Tensor query, Tensor key, Tensor value, Tensor? mask, float dropout_p, "
-      "bool need_weights) -> (Tensor output, Tensor weights, Tensor logsumexp, Tensor rng_state)",
+      "bool need_weights, bool is_causal) -> (Tensor output, Tensor weights, Tensor logsumexp, Tensor rng_state)",
       random);
   m.def(
       "_attention_backward(Tensor grad_output, Tensor? grad_weights, Tensor query, Tensor key, Tensor value, "
-      "Tensor? mask, Tensor output, Tensor logsumexp, Tensor rng_state, float dropout_p) "
+      "Tensor? mask, Tensor output, Tensor logsumexp, Tensor rng_state, float dropout_p, bool is_causal) "
       "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
 }
 

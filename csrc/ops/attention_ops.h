@@ -13,12 +13,13 @@ namespace fastmha::detail {
 using AttentionForwardResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 AttentionForwardResult attention_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                                         const std::optional<at::Tensor>& mask, double dropout_p, bool need_weights);
+                                         const std::optional<at::Tensor>& mask, double dropout_p, bool need_weights,
+                                         bool is_causal);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights, const at::Tensor& query,
     const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& mask, const at::Tensor& output,
-    const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p);
+    const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p, bool is_causal);
 
 // (output, weights or empty, query_proj, key_proj, value_proj, context, logsumexp, rng_state)
 using MultiHeadAttentionForwardResult =
@@ -29,7 +30,7 @@ MultiHeadAttentionForwardResult multi_head_attention_forward(const at::Tensor& q
                                                              const at::Tensor& w_k, const at::Tensor& w_v,
                                                              const at::Tensor& w_o, int64_t num_heads,
                                                              const std::optional<at::Tensor>& mask, double dropout_p,
-                                                             bool need_weights);
+                                                             bool need_weights, bool is_causal);
 
 // (grad_query, grad_key, grad_value, grad_w_q, grad_w_k, grad_w_v, grad_w_o)
 using MultiHeadAttentionBackwardResult =
@@ -40,6 +41,6 @@ MultiHeadAttentionBackwardResult multi_head_attention_backward(
     const at::Tensor& key, const at::Tensor& value, const at::Tensor& w_q, const at::Tensor& w_k, const at::Tensor& w_v,
     const at::Tensor& w_o, const at::Tensor& query_proj, const at::Tensor& key_proj, const at::Tensor& value_proj,
     const at::Tensor& context, const at::Tensor& logsumexp, const at::Tensor& rng_state, int64_t num_heads,
-    const std::optional<at::Tensor>& mask, double dropout_p);
+    const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal);
 
 }  // namespace fastmha::detail

@@ -17,11 +17,11 @@ std::tuple<at::Tensor, at::Tensor> multi_head_attention(const at::Tensor& query,
                                                         const at::Tensor& w_k, const at::Tensor& w_v,
                                                         const at::Tensor& w_o, int64_t num_heads,
                                                         const std::optional<at::Tensor>& mask, double dropout_p,
-                                                        bool need_weights) {
+                                                        bool need_weights, bool is_causal) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastmha::multi_head_attention", "")
                        .typed<decltype(multi_head_attention)>();
-  return op.call(query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p, need_weights);
+  return op.call(query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p, need_weights, is_causal);
 }
 
 namespace detail {
@@ -31,11 +31,11 @@ MultiHeadAttentionForwardResult multi_head_attention_forward(const at::Tensor& q
                                                              const at::Tensor& w_k, const at::Tensor& w_v,
                                                              const at::Tensor& w_o, int64_t num_heads,
                                                              const std::optional<at::Tensor>& mask, double dropout_p,
-                                                             bool need_weights) {
+                                                             bool need_weights, bool is_causal) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastmha::_multi_head_attention_forward", "")
                        .typed<decltype(multi_head_attention_forward)>();
-  return op.call(query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p, need_weights);
+  return op.call(query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p, need_weights, is_causal);
 }
 
 MultiHeadAttentionBackwardResult multi_head_attention_backward(
@@ -43,12 +43,12 @@ MultiHeadAttentionBackwardResult multi_head_attention_backward(
     const at::Tensor& key, const at::Tensor& value, const at::Tensor& w_q, const at::Tensor& w_k, const at::Tensor& w_v,
     const at::Tensor& w_o, const at::Tensor& query_proj, const at::Tensor& key_proj, const at::Tensor& value_proj,
     const at::Tensor& context, const at::Tensor& logsumexp, const at::Tensor& rng_state, int64_t num_heads,
-    const std::optional<at::Tensor>& mask, double dropout_p) {
+    const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastmha::_multi_head_attention_backward", "")
                        .typed<decltype(multi_head_attention_backward)>();
   return op.call(grad_output, grad_weights, query, key, value, w_q, w_k, w_v, w_o, query_proj, key_proj, value_proj,
-                 context, logsumexp, rng_state, num_heads, mask, dropout_p);
+                 context, logsumexp, rng_state, num_heads, mask, dropout_p, is_causal);
 }
 
 }  // namespace detail
@@ -77,14 +77,14 @@ at::Tensor rows(const at::Tensor& x) { return x.reshape_symint({x.sym_size(0) * 
 detail::MultiHeadAttentionForwardResult multi_head_attention_forward_kernel(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& w_q,
     const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o, int64_t num_heads,
-    const std::optional<at::Tensor>& mask, double dropout_p, bool need_weights) {
+    const std::optional<at::Tensor>& mask, double dropout_p, bool need_weights, bool is_causal) {
   check_block_inputs(query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p);
   auto query_proj = at::linear(query, w_q);
   auto key_proj = at::linear(key, w_k);
   auto value_proj = at::linear(value, w_v);
   auto [heads_out, weights, logsumexp, rng_state] =
       detail::attention_forward(split_heads(query_proj, num_heads), split_heads(key_proj, num_heads),
-                                split_heads(value_proj, num_heads), mask, dropout_p, need_weights);
+                                split_heads(value_proj, num_heads), mask, dropout_p, need_weights, is_causal);
   auto context = merge_heads(heads_out);
   auto output = at::linear(context, w_o);
   return {output, weights, query_proj, key_proj, value_proj, context, logsumexp, rng_state};
@@ -95,14 +95,14 @@ detail::MultiHeadAttentionBackwardResult multi_head_attention_backward_kernel(
     const at::Tensor& key, const at::Tensor& value, const at::Tensor& w_q, const at::Tensor& w_k, const at::Tensor& w_v,
     const at::Tensor& w_o, const at::Tensor& query_proj, const at::Tensor& key_proj, const at::Tensor& value_proj,
     const at::Tensor& context, const at::Tensor& logsumexp, const at::Tensor& rng_state, int64_t num_heads,
-    const std::optional<at::Tensor>& mask, double dropout_p) {
+    const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal) {
   // output = context @ w_o^T
   auto grad_w_o = rows(grad_output).t().mm(rows(context));
   auto grad_context = grad_output.matmul(w_o);
   auto [grad_q_heads, grad_k_heads, grad_v_heads] =
       detail::attention_backward(split_heads(grad_context, num_heads), grad_weights, split_heads(query_proj, num_heads),
                                  split_heads(key_proj, num_heads), split_heads(value_proj, num_heads), mask,
-                                 split_heads(context, num_heads), logsumexp, rng_state, dropout_p);
+                                 split_heads(context, num_heads), logsumexp, rng_state, dropout_p, is_causal);
   // x_proj = x @ w_x^T for x in (query, key, value)
   auto backward_projection = [](const at::Tensor& grad_heads, const at::Tensor& input, const at::Tensor& weight) {
     auto grad_proj = merge_heads(grad_heads);
@@ -119,9 +119,9 @@ std::tuple<at::Tensor, at::Tensor> multi_head_attention_composite(const at::Tens
                                                                   const at::Tensor& w_k, const at::Tensor& w_v,
                                                                   const at::Tensor& w_o, int64_t num_heads,
                                                                   const std::optional<at::Tensor>& mask,
-                                                                  double dropout_p, bool need_weights) {
+                                                                  double dropout_p, bool need_weights, bool is_causal) {
   auto result = detail::multi_head_attention_forward(query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p,
-                                                     need_weights);
+                                                     need_weights, is_causal);
   return {std::get<0>(result), std::get<1>(result)};
 }
 
@@ -131,12 +131,13 @@ TORCH_LIBRARY_FRAGMENT(fastmha, m) {
   const std::vector<at::Tag> random = {at::Tag::nondeterministic_seeded};
   m.def(
       "multi_head_attention(Tensor query, Tensor key, Tensor value, Tensor w_q, Tensor w_k, Tensor w_v, "
-      "Tensor w_o, int num_heads, Tensor? mask=None, float dropout_p=0.0, bool need_weights=True) "
+      "Tensor w_o, int num_heads, Tensor? mask=None, float dropout_p=0.0, bool need_weights=True, "
+      "bool is_causal=False) "
       "-> (Tensor output, Tensor weights)",
       random);
   m.def(
       "_multi_head_attention_forward(Tensor query, Tensor key, Tensor value, Tensor w_q, Tensor w_k, "
-      "Tensor w_v, Tensor w_o, int num_heads, Tensor? mask, float dropout_p, bool need_weights) "
+      "Tensor w_v, Tensor w_o, int num_heads, Tensor? mask, float dropout_p, bool need_weights, bool is_causal) "
       "-> (Tensor output, Tensor weights, Tensor query_proj, Tensor key_proj, Tensor value_proj, "
       "Tensor context, Tensor logsumexp, Tensor rng_state)",
       random);
@@ -144,7 +145,7 @@ TORCH_LIBRARY_FRAGMENT(fastmha, m) {
       "_multi_head_attention_backward(Tensor grad_output, Tensor? grad_weights, Tensor query, Tensor key, "
       "Tensor value, Tensor w_q, Tensor w_k, Tensor w_v, Tensor w_o, Tensor query_proj, Tensor key_proj, "
       "Tensor value_proj, Tensor context, Tensor logsumexp, Tensor rng_state, int num_heads, Tensor? mask, "
-      "float dropout_p) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_w_q, "
+      "float dropout_p, bool is_causal) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_w_q, "
       "Tensor grad_w_k, Tensor grad_w_v, Tensor grad_w_o)");
 }
 

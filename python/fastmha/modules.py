@@ -14,12 +14,16 @@ class MultiHeadAttentionBlock(nn.Module):
     ``(batch, seq, d_model)`` tensors; where ``mask == 0`` (any dtype, broadcastable to
     ``(batch, h, Lq, Lk)``) the score is set to -1e9 before the softmax. After each forward,
     ``attention_scores`` holds the post-dropout weights ``(batch, h, Lq, Lk)``, or None when
-    ``need_weights`` is False (which also saves their memory).
+    ``need_weights`` is False (which also saves their memory). With ``is_causal=True`` query i attends keys
+    j <= i only (top-left aligned when Lq != Lk), exactly as if ``tril(ones(Lq, Lk))`` were added to the mask,
+    without materializing it (the kernels skip the masked key blocks).
     """
 
     attention_scores: Optional[Tensor]
 
-    def __init__(self, d_model: int, h: int, dropout: float, need_weights: bool = True) -> None:
+    def __init__(
+        self, d_model: int, h: int, dropout: float, need_weights: bool = True, is_causal: bool = False
+    ) -> None:
         super().__init__()
         if not isinstance(d_model, int) or d_model <= 0:
             raise ValueError(f"fastmha: d_model must be a positive int, got {d_model!r}")
@@ -38,6 +42,7 @@ class MultiHeadAttentionBlock(nn.Module):
         self.w_o = nn.Linear(d_model, d_model, bias=False)
         self.dropout = nn.Dropout(dropout)
         self.need_weights = need_weights
+        self.is_causal = is_causal
         self.attention_scores = None
 
     @staticmethod
@@ -55,10 +60,11 @@ class MultiHeadAttentionBlock(nn.Module):
         p = self.dropout.p if self.dropout.training else 0.0
         output, weights = torch.ops.fastmha.multi_head_attention(
             q, k, v, self.w_q.weight, self.w_k.weight, self.w_v.weight, self.w_o.weight,
-            self.h, mask, p, self.need_weights,
+            self.h, mask, p, self.need_weights, self.is_causal,
         )
         self.attention_scores = weights if self.need_weights else None
         return output
 
     def extra_repr(self) -> str:
-        return f"d_model={self.d_model}, h={self.h}, d_k={self.d_k}, need_weights={self.need_weights}"
+        return (f"d_model={self.d_model}, h={self.h}, d_k={self.d_k}, need_weights={self.need_weights}, "
+                f"is_causal={self.is_causal}")

@@ -13,13 +13,15 @@ def attention(
     mask: Optional[Tensor] = None,
     dropout_p: float = 0.0,
     need_weights: bool = True,
+    is_causal: bool = False,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Attention on split heads: query (batch, h, Lq, d_k), key (batch, h, Lk, d_k), value (batch, h, Lk, d_v).
 
     scores = query @ key^T / sqrt(d_k); where mask == 0 the score is -1e9; softmax over keys; dropout with
-    probability dropout_p on the weights. Returns (weights @ value, weights or None).
+    probability dropout_p on the weights; is_causal adds the top-left causal mask (key j <= query i) without
+    materializing it. Returns (weights @ value, weights or None).
     """
-    output, weights = torch.ops.fastmha.attention(query, key, value, mask, dropout_p, need_weights)
+    output, weights = torch.ops.fastmha.attention(query, key, value, mask, dropout_p, need_weights, is_causal)
     return output, (weights if need_weights else None)
 
 
@@ -35,12 +37,13 @@ def multi_head_attention(
     mask: Optional[Tensor] = None,
     dropout_p: float = 0.0,
     need_weights: bool = True,
+    is_causal: bool = False,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """The whole block on batch-first (batch, seq, d_model) inputs with bias-free (d_model, d_model) weights.
 
     Returns (output (batch, Lq, d_model), weights (batch, num_heads, Lq, Lk) or None).
     """
     output, weights = torch.ops.fastmha.multi_head_attention(
-        query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p, need_weights
+        query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p, need_weights, is_causal
     )
     return output, (weights if need_weights else None)

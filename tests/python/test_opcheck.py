@@ -33,38 +33,43 @@ def block_args(device, requires_grad, mask_kind):
 @pytest.mark.parametrize("requires_grad", [False, True])
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "float-2d"])
 @pytest.mark.parametrize("need_weights", [True, False])
-def test_opcheck_attention(device, requires_grad, mask_kind, need_weights):
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_opcheck_attention(device, requires_grad, mask_kind, need_weights, is_causal):
     q, k, v, mask = core_args(device, requires_grad, mask_kind)
-    torch.library.opcheck(OPS.attention.default, (q, k, v, mask, 0.0, need_weights))
+    torch.library.opcheck(OPS.attention.default, (q, k, v, mask, 0.0, need_weights, is_causal))
 
 
 @pytest.mark.parametrize("requires_grad", [False, True])
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "float-2d"])
 @pytest.mark.parametrize("need_weights", [True, False])
-def test_opcheck_multi_head_attention(device, requires_grad, mask_kind, need_weights):
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_opcheck_multi_head_attention(device, requires_grad, mask_kind, need_weights, is_causal):
     x, kv, ws, mask = block_args(device, requires_grad, mask_kind)
-    torch.library.opcheck(OPS.multi_head_attention.default, (x, kv, kv, *ws, 2, mask, 0.0, need_weights))
+    torch.library.opcheck(OPS.multi_head_attention.default,
+                          (x, kv, kv, *ws, 2, mask, 0.0, need_weights, is_causal))
 
 
 @pytest.mark.parametrize("mask_kind", ["none", "bool"])
-def test_opcheck_internal_attention_ops(device, mask_kind):
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_opcheck_internal_attention_ops(device, mask_kind, is_causal):
     q, k, v, mask = core_args(device, False, mask_kind)
-    torch.library.opcheck(OPS._attention_forward.default, (q, k, v, mask, 0.0, True))
-    out, _, lse, rng_state = OPS._attention_forward(q, k, v, mask, 0.0, False)
+    torch.library.opcheck(OPS._attention_forward.default, (q, k, v, mask, 0.0, True, is_causal))
+    out, _, lse, rng_state = OPS._attention_forward(q, k, v, mask, 0.0, False, is_causal)
     grad_out = torch.randn_like(out)
     grad_weights = torch.randn(2, 3, 5, 6, device=device, dtype=torch.float64)
     torch.library.opcheck(OPS._attention_backward.default,
-                          (grad_out, grad_weights, q, k, v, mask, out, lse, rng_state, 0.0))
-    torch.library.opcheck(OPS._attention_backward.default, (grad_out, None, q, k, v, mask, out, lse, rng_state, 0.0))
+                          (grad_out, grad_weights, q, k, v, mask, out, lse, rng_state, 0.0, is_causal))
+    torch.library.opcheck(OPS._attention_backward.default, (grad_out, None, q, k, v, mask, out, lse, rng_state, 0.0, is_causal))
 
 
 @pytest.mark.parametrize("mask_kind", ["none", "bool"])
-def test_opcheck_internal_block_ops(device, mask_kind):
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_opcheck_internal_block_ops(device, mask_kind, is_causal):
     x, kv, ws, mask = block_args(device, False, mask_kind)
-    torch.library.opcheck(OPS._multi_head_attention_forward.default, (x, kv, kv, *ws, 2, mask, 0.0, True))
+    torch.library.opcheck(OPS._multi_head_attention_forward.default, (x, kv, kv, *ws, 2, mask, 0.0, True, is_causal))
     out, weights, qp, kp, vp, ctx, lse, rng_state = OPS._multi_head_attention_forward(x, kv, kv, *ws, 2, mask,
-                                                                                        0.0, True)
+                                                                                        0.0, True, is_causal)
     torch.library.opcheck(
         OPS._multi_head_attention_backward.default,
         (torch.randn_like(out), torch.randn_like(weights), x, kv, kv, *ws, qp, kp, vp, ctx, lse, rng_state, 2, mask,
-         0.0))
+         0.0, is_causal))

@@ -13,10 +13,11 @@ namespace fastmha {
 // value (batch, h, Lk, d_v). scores = query @ key^T / sqrt(d_k); positions where mask == 0 get -1e9;
 // softmax over keys; dropout with probability dropout_p on the weights; returns (weights @ value, weights).
 // mask: any dtype, any shape that broadcasts to (batch, h, Lq, Lk). weights is an empty tensor when
-// need_weights is false.
+// need_weights is false. is_causal: query i attends only keys j <= i (top-left aligned when Lq != Lk),
+// exactly as if mask were also tril(ones(Lq, Lk)), but without materializing it.
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                              const std::optional<at::Tensor>& mask = std::nullopt,
-                                             double dropout_p = 0.0, bool need_weights = true);
+                                             double dropout_p = 0.0, bool need_weights = true, bool is_causal = false);
 
 // The whole multi-head attention block on batch-first inputs: query (batch, Lq, d_model), key and value
 // (batch, Lk, d_model); bias-free projection weights of shape (d_model, d_model) as in nn.Linear.
@@ -26,6 +27,7 @@ std::tuple<at::Tensor, at::Tensor> multi_head_attention(const at::Tensor& query,
                                                         const at::Tensor& w_k, const at::Tensor& w_v,
                                                         const at::Tensor& w_o, int64_t num_heads,
                                                         const std::optional<at::Tensor>& mask = std::nullopt,
-                                                        double dropout_p = 0.0, bool need_weights = true);
+                                                        double dropout_p = 0.0, bool need_weights = true,
+                                                        bool is_causal = false);
 
 }  // namespace fastmha

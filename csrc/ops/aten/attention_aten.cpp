@@ -13,13 +13,27 @@ constexpr double kMaskedScore = -1e9;
 
 at::ScalarType accumulation_type(at::ScalarType t) { return at::toOpMathType(t); }
 
-// scores = query @ key^T / sqrt(d_k), then mask == 0 -> -1e9, in the accumulation dtype.
+// Where the scores are overwritten with -1e9: mask == 0, and above the diagonal when causal (top-left).
+std::optional<at::Tensor> masked_positions(const std::optional<at::Tensor>& mask, bool is_causal,
+                                           const at::Tensor& query, const at::Tensor& key) {
+  std::optional<at::Tensor> masked;
+  if (mask.has_value()) {
+    masked = mask->eq(0);
+  }
+  if (is_causal) {
+    auto above = at::ones({query.size(-2), key.size(-2)}, query.options().dtype(at::kBool)).triu(1);
+    masked = masked.has_value() ? at::logical_or(*masked, above) : above;
+  }
+  return masked;
+}
+
+// scores = query @ key^T / sqrt(d_k), then the masked positions -> -1e9, in the accumulation dtype.
 at::Tensor masked_scores(const at::Tensor& query_acc, const at::Tensor& key_acc,
-                         const std::optional<at::Tensor>& mask) {
+                         const std::optional<at::Tensor>& masked) {
   auto scores = at::matmul(query_acc, key_acc.transpose(-2, -1));
   scores.div_(std::sqrt(static_cast<double>(query_acc.size(-1))));
-  if (mask.has_value()) {
-    scores.masked_fill_(mask->eq(0), kMaskedScore);
+  if (masked.has_value()) {
+    scores.masked_fill_(*masked, kMaskedScore);
   }
   return scores;
 }
@@ -30,10 +44,11 @@ at::Tensor no_rng_state(const at::Tensor& query) { return at::zeros({2}, query.o
 
 detail::AttentionForwardResult attention_forward(const at::Tensor& query, const at::Tensor& key,
                                                  const at::Tensor& value, const std::optional<at::Tensor>& mask,
-                                                 double dropout_p, bool need_weights, const DropoutKernels& dropout) {
+                                                 double dropout_p, bool need_weights, bool is_causal,
+                                                 const DropoutKernels& dropout) {
   const auto acc = accumulation_type(query.scalar_type());
   const auto value_acc = value.to(acc);
-  auto scores = masked_scores(query.to(acc), key.to(acc), mask);
+  auto scores = masked_scores(query.to(acc), key.to(acc), masked_positions(mask, is_causal, query, key));
   auto logsumexp = at::logsumexp(scores, -1);
   auto probs = at::softmax(scores, -1);
   at::Tensor rng_state;
@@ -52,12 +67,14 @@ detail::AttentionForwardResult attention_forward(const at::Tensor& query, const 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights, const at::Tensor& query,
     const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& mask, const at::Tensor& output,
-    const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p, const DropoutKernels& dropout) {
+    const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p, bool is_causal,
+    const DropoutKernels& dropout) {
   const auto acc = accumulation_type(query.scalar_type());
   const auto query_acc = query.to(acc);
   const auto key_acc = key.to(acc);
   // Recompute the softmax from the saved log-sum-exp instead of keeping it from the forward.
-  auto probs = masked_scores(query_acc, key_acc, mask).sub_(logsumexp.unsqueeze(-1)).exp_();
+  const auto masked = masked_positions(mask, is_causal, query, key);
+  auto probs = masked_scores(query_acc, key_acc, masked).sub_(logsumexp.unsqueeze(-1)).exp_();
   at::Tensor multipliers;
   if (dropout_p > 0.0) {
     multipliers = dropout.replay(probs.sizes(), dropout_p, probs.options(), rng_state);
@@ -72,8 +89,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
   auto grad_probs = multipliers.defined() ? grad_applied.mul_(multipliers) : grad_applied;
   // softmax backward: dS = P * (dP - sum_j dP * P)
   auto grad_scores = probs * (grad_probs - (grad_probs * probs).sum(-1, /*keepdim=*/true));
-  if (mask.has_value()) {
-    grad_scores.masked_fill_(mask->eq(0), 0.0);  // masked scores were overwritten: no gradient
+  if (masked.has_value()) {
+    grad_scores.masked_fill_(*masked, 0.0);  // masked scores were overwritten: no gradient
   }
   grad_scores.div_(std::sqrt(static_cast<double>(query.size(-1))));
   auto grad_query = at::matmul(grad_scores, key_acc).to(query.scalar_type());

@@ -10,11 +10,13 @@ namespace fastmha::aten_impl {
 
 detail::AttentionForwardResult attention_forward(const at::Tensor& query, const at::Tensor& key,
                                                  const at::Tensor& value, const std::optional<at::Tensor>& mask,
-                                                 double dropout_p, bool need_weights, const DropoutKernels& dropout);
+                                                 double dropout_p, bool need_weights, bool is_causal,
+                                                 const DropoutKernels& dropout);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights, const at::Tensor& query,
     const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& mask, const at::Tensor& output,
-    const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p, const DropoutKernels& dropout);
+    const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p, bool is_causal,
+    const DropoutKernels& dropout);
 
 }  // namespace fastmha::aten_impl

@@ -13,12 +13,13 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& query,
                                                 const at::Tensor& key, const at::Tensor& value,
                                                 const std::optional<at::Tensor>& mask, double dropout_p,
-                                                bool need_weights) {
+                                                bool need_weights, bool is_causal) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [output, weights, logsumexp, rng_state] =
-        detail::attention_forward(query, key, value, mask, dropout_p, need_weights);
+        detail::attention_forward(query, key, value, mask, dropout_p, need_weights, is_causal);
     ctx->save_for_backward({query, key, value, mask.value_or(at::Tensor()), output, logsumexp, rng_state});
     ctx->saved_data["dropout_p"] = dropout_p;
+    ctx->saved_data["is_causal"] = is_causal;
     ctx->saved_data["need_weights"] = need_weights;
     if (!need_weights) {
       ctx->mark_non_differentiable({weights});
@@ -32,17 +33,17 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     const auto mask = saved[3].defined() ? std::optional<at::Tensor>(saved[3]) : std::nullopt;
     const auto grad_weights =
         ctx->saved_data["need_weights"].toBool() ? std::optional<at::Tensor>(grads[1]) : std::nullopt;
-    auto [grad_query, grad_key, grad_value] =
-        detail::attention_backward(grads[0], grad_weights, saved[0], saved[1], saved[2], mask, saved[4], saved[5],
-                                   saved[6], ctx->saved_data["dropout_p"].toDouble());
-    return {grad_query, grad_key, grad_value, at::Tensor(), at::Tensor(), at::Tensor()};
+    auto [grad_query, grad_key, grad_value] = detail::attention_backward(
+        grads[0], grad_weights, saved[0], saved[1], saved[2], mask, saved[4], saved[5], saved[6],
+        ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["is_causal"].toBool());
+    return {grad_query, grad_key, grad_value, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& query, const at::Tensor& key,
                                                       const at::Tensor& value, const std::optional<at::Tensor>& mask,
-                                                      double dropout_p, bool need_weights) {
-  auto outputs = AttentionFunction::apply(query, key, value, mask, dropout_p, need_weights);
+                                                      double dropout_p, bool need_weights, bool is_causal) {
+  auto outputs = AttentionFunction::apply(query, key, value, mask, dropout_p, need_weights, is_causal);
   return {outputs[0], outputs[1]};
 }
 

@@ -14,15 +14,16 @@ class MultiHeadAttentionFunction : public torch::autograd::Function<MultiHeadAtt
                                                 const at::Tensor& key, const at::Tensor& value, const at::Tensor& w_q,
                                                 const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o,
                                                 int64_t num_heads, const std::optional<at::Tensor>& mask,
-                                                double dropout_p, bool need_weights) {
+                                                double dropout_p, bool need_weights, bool is_causal) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [output, weights, query_proj, key_proj, value_proj, context, logsumexp, rng_state] =
         detail::multi_head_attention_forward(query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p,
-                                             need_weights);
+                                             need_weights, is_causal);
     ctx->save_for_backward({query, key, value, w_q, w_k, w_v, w_o, query_proj, key_proj, value_proj, context, logsumexp,
                             rng_state, mask.value_or(at::Tensor())});
     ctx->saved_data["num_heads"] = num_heads;
     ctx->saved_data["dropout_p"] = dropout_p;
+    ctx->saved_data["is_causal"] = is_causal;
     ctx->saved_data["need_weights"] = need_weights;
     if (!need_weights) {
       ctx->mark_non_differentiable({weights});
@@ -39,9 +40,10 @@ class MultiHeadAttentionFunction : public torch::autograd::Function<MultiHeadAtt
     auto [grad_query, grad_key, grad_value, grad_w_q, grad_w_k, grad_w_v, grad_w_o] =
         detail::multi_head_attention_backward(grads[0], grad_weights, s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7],
                                               s[8], s[9], s[10], s[11], s[12], ctx->saved_data["num_heads"].toInt(),
-                                              mask, ctx->saved_data["dropout_p"].toDouble());
-    return {grad_query, grad_key,     grad_value,   grad_w_q,     grad_w_k,    grad_w_v,
-            grad_w_o,   at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+                                              mask, ctx->saved_data["dropout_p"].toDouble(),
+                                              ctx->saved_data["is_causal"].toBool());
+    return {grad_query, grad_key,     grad_value,   grad_w_q,     grad_w_k,     grad_w_v,
+            grad_w_o,   at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -50,9 +52,9 @@ std::tuple<at::Tensor, at::Tensor> multi_head_attention_autograd(const at::Tenso
                                                                  const at::Tensor& w_k, const at::Tensor& w_v,
                                                                  const at::Tensor& w_o, int64_t num_heads,
                                                                  const std::optional<at::Tensor>& mask,
-                                                                 double dropout_p, bool need_weights) {
+                                                                 double dropout_p, bool need_weights, bool is_causal) {
   auto outputs = MultiHeadAttentionFunction::apply(query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p,
-                                                   need_weights);
+                                                   need_weights, is_causal);
   return {outputs[0], outputs[1]};
 }
 

@@ -28,7 +28,8 @@ at::Tensor kernel_operand(const at::Tensor& x, at::ScalarType acc) {
 
 template <typename T>
 cpu::AttentionInputs<T> kernel_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                      const at::Tensor& mask, double dropout_p, uint64_t seed, uint64_t offset) {
+                                      const at::Tensor& mask, double dropout_p, bool is_causal, uint64_t seed,
+                                      uint64_t offset) {
   auto strides = [](const at::Tensor& t) { return cpu::Strides3{t.stride(0), t.stride(1), t.stride(2)}; };
   cpu::AttentionInputs<T> in{};
   in.q = q.const_data_ptr<T>();
@@ -49,6 +50,7 @@ cpu::AttentionInputs<T> kernel_inputs(const at::Tensor& q, const at::Tensor& k, 
   }
   in.scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(in.d_k)));
   in.dropout_p = dropout_p;
+  in.is_causal = is_causal;
   in.seed = seed;
   in.offset = offset;
   return in;
@@ -106,7 +108,7 @@ void run_backward(const Args& in, const Grads& grads) {
 
 detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query, const at::Tensor& key,
                                                         const at::Tensor& value, const std::optional<at::Tensor>& mask,
-                                                        double dropout_p, bool need_weights) {
+                                                        double dropout_p, bool need_weights, bool is_causal) {
   check_attention_inputs(query, key, value, mask, dropout_p);
   const auto dtype = query.scalar_type();
   const auto acc = at::toOpMathType(dtype);
@@ -120,7 +122,7 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
   const auto mask_view = broadcast_mask(mask, query, key);
   const auto* state = rng_state.const_data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES(acc, "fastmha_cpu_attention_forward", [&] {
-    const auto in = kernel_inputs<scalar_t>(q, k, v, mask_view, dropout_p, state[0], state[1]);
+    const auto in = kernel_inputs<scalar_t>(q, k, v, mask_view, dropout_p, is_causal, state[0], state[1]);
     const cpu::AttentionForwardOutputs<scalar_t> out{output.data_ptr<scalar_t>(),
                                                      need_weights ? weights.data_ptr<scalar_t>() : nullptr,
                                                      logsumexp.data_ptr<scalar_t>()};
@@ -132,7 +134,7 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights, const at::Tensor& query,
     const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& mask, const at::Tensor& output,
-    const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p) {
+    const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p, bool is_causal) {
   const auto acc = at::toOpMathType(query.scalar_type());
   const int64_t batch = query.size(0), heads = query.size(1), len_q = query.size(2), len_k = key.size(2);
   const int64_t d_k = query.size(3), d_v = value.size(3);
@@ -157,7 +159,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
   const auto state = rng_state.to(at::kCPU).contiguous();
   const auto* seed_offset = state.const_data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES(acc, "fastmha_cpu_attention_backward", [&] {
-    const auto in = kernel_inputs<scalar_t>(q, k, v, mask_view, dropout_p, seed_offset[0], seed_offset[1]);
+    const auto in = kernel_inputs<scalar_t>(q, k, v, mask_view, dropout_p, is_causal, seed_offset[0], seed_offset[1]);
     const cpu::AttentionBackwardTensors<scalar_t> grads{grad_out.const_data_ptr<scalar_t>(),
                                                         has_grad_weights ? grad_w.const_data_ptr<scalar_t>() : nullptr,
                                                         lse.const_data_ptr<scalar_t>(),

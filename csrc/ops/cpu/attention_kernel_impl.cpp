@@ -89,32 +89,101 @@ void scale_row(T* x, int64_t n, T factor) {
   at::vec::map([factor](Vec v) { return v * Vec(factor); }, x, x, n);
 }
 
-// Dropout keep multipliers for elements first .. first + n - 1 of the (B, H, Lq, Lk) score layout, from the
-// Philox block of each group of four (the same numbers as philox::keep_scale, one block per four elements).
-template <typename T, typename F>
-void for_each_keep(const AttentionInputs<T>& in, uint64_t first, int64_t n, F&& f) {
+// Dropout multipliers (0 or 1/(1-p)) of elements first .. first + n - 1 of the (B, H, Lq, Lk) score layout:
+// the same numbers as philox::keep_scale. Philox blocks are generated for 16 counters at a time in
+// structure-of-arrays form, which the compiler turns into vector code.
+template <typename T>
+void fill_keep(const AttentionInputs<T>& in, uint64_t first, int64_t n, std::vector<uint32_t>& words, T* keep) {
+  if (n == 0) {
+    return;
+  }
+  constexpr int64_t kLanes = 16;
+  const uint64_t first_block = first >> 2, last_block = (first + static_cast<uint64_t>(n) - 1) >> 2;
+  const int64_t blocks = static_cast<int64_t>(last_block - first_block + 1);
+  words.resize(static_cast<size_t>((blocks + kLanes) * 4));
+  for (int64_t b0 = 0; b0 < blocks; b0 += kLanes) {
+    uint32_t c0[kLanes], c1[kLanes], c2[kLanes], c3[kLanes];
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const uint64_t counter = first_block + static_cast<uint64_t>(b0 + l);
+      c0[l] = static_cast<uint32_t>(counter);
+      c1[l] = static_cast<uint32_t>(counter >> 32);
+      c2[l] = static_cast<uint32_t>(in.offset);
+      c3[l] = static_cast<uint32_t>(in.offset >> 32);
+    }
+    uint32_t k0 = static_cast<uint32_t>(in.seed), k1 = static_cast<uint32_t>(in.seed >> 32);
+    for (int round = 0; round < 10; ++round) {
+      for (int64_t l = 0; l < kLanes; ++l) {
+        const uint64_t p0 = static_cast<uint64_t>(0xD2511F53u) * c0[l];
+        const uint64_t p1 = static_cast<uint64_t>(0xCD9E8D57u) * c2[l];
+        const uint32_t n0 = static_cast<uint32_t>(p1 >> 32) ^ c1[l] ^ k0;
+        const uint32_t n2 = static_cast<uint32_t>(p0 >> 32) ^ c3[l] ^ k1;
+        c1[l] = static_cast<uint32_t>(p1);
+        c3[l] = static_cast<uint32_t>(p0);
+        c0[l] = n0;
+        c2[l] = n2;
+      }
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    for (int64_t l = 0; l < kLanes; ++l) {
+      uint32_t* w = words.data() + (b0 + l) * 4;
+      w[0] = c0[l];
+      w[1] = c1[l];
+      w[2] = c2[l];
+      w[3] = c3[l];
+    }
+  }
+  const uint32_t* w = words.data() + (first & 3);
   const float p = static_cast<float>(in.dropout_p);
   const T scale = T(1.0 / (1.0 - in.dropout_p));
-  philox::Block block{};
   for (int64_t j = 0; j < n; ++j) {
-    const uint64_t index = first + static_cast<uint64_t>(j);
-    if (j == 0 || (index & 3) == 0) {
-      block = philox::random4(in.seed, in.offset, index >> 2);
-    }
-    f(j, philox::to_uniform(block.word[index & 3]) >= p ? scale : T(0));
+    keep[j] = philox::to_uniform(w[j]) >= p ? scale : T(0);
   }
 }
 
-// scores[r, :] = scale * q[row0 + r] . k[:]  for r < rows, then the mask.
+// Keys a chunk of queries can see: with is_causal, query i attends keys j <= i, so rows row0 .. row0+rows-1
+// need only the first row0 + rows keys (the rest are masked for the whole chunk and never computed).
 template <typename T>
-void chunk_scores(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows, T* scores) {
-  gemm<T>(false, true, rows, in.len_k, in.d_k, in.scale, head.q + row0 * in.q_stride.row, in.q_stride.row, head.k,
-          in.k_stride.row, T(0), scores, in.len_k);
-  if (head.mask) {
-    for (int64_t r = 0; r < rows; ++r) {
-      apply_mask(scores + r * in.len_k, in.len_k, head.mask + (row0 + r) * in.mask_stride[2], in.mask_stride[3]);
+int64_t causal_width(const AttentionInputs<T>& in, int64_t row0, int64_t rows) {
+  return in.is_causal ? std::min(in.len_k, row0 + rows) : in.len_k;
+}
+
+// scores[r, 0:width) = scale * q[row0 + r] . k[0:width) for r < rows (row stride Lk), then the masks.
+// Returns false when a row came out masked everywhere while keys were skipped: such a row's softmax is
+// uniform over all Lk keys (the -1e9 rule), so the caller recomputes the chunk at full width.
+template <typename T>
+bool chunk_scores(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows, int64_t width,
+                  T* scores) {
+  using Vec = Vectorized<T>;
+  const int64_t ld = in.len_k;
+  gemm<T>(false, true, rows, width, in.d_k, in.scale, head.q + row0 * in.q_stride.row, in.q_stride.row, head.k,
+          in.k_stride.row, T(0), scores, ld);
+  bool complete = true;
+  for (int64_t r = 0; r < rows; ++r) {
+    T* s = scores + r * ld;
+    if (head.mask) {
+      apply_mask(s, width, head.mask + (row0 + r) * in.mask_stride[2], in.mask_stride[3]);
+    }
+    if (in.is_causal) {
+      for (int64_t j = row0 + r + 1; j < width; ++j) s[j] = T(kMaskedScore);
+    }
+    // Only a user mask can mask a causal row entirely (key 0 is always visible to causal rows).
+    if (head.mask && width < in.len_k && width > 0) {
+      const T max = at::vec::reduce_all<T>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s, width);
+      complete = complete && max != T(kMaskedScore);
     }
   }
+  return complete;
+}
+
+template <typename T>
+int64_t scores_for_chunk(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows, T* scores) {
+  const int64_t width = causal_width(in, row0, rows);
+  if (chunk_scores(in, head, row0, rows, width, scores)) {
+    return width;
+  }
+  chunk_scores(in, head, row0, rows, in.len_k, scores);
+  return in.len_k;
 }
 
 template <typename T>
@@ -122,34 +191,36 @@ void forward_impl(const AttentionInputs<T>& in, const AttentionForwardOutputs<T>
   const int64_t chunk = std::min<int64_t>(query_chunk(in.len_k), std::max<int64_t>(in.len_q, 1));
   const int64_t chunks = (in.len_q + chunk - 1) / chunk;
   const int64_t tasks = in.batch * in.heads * chunks;
+  const int64_t ld = in.len_k;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> buffer(out.weights ? 0 : chunk * in.len_k), inv_sum(chunk);
+    std::vector<T> buffer(out.weights ? 0 : chunk * ld), inv_sum(chunk), keep(in.dropout_p > 0 ? ld : 0);
+    std::vector<uint32_t> words;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / chunks, row0 = (task % chunks) * chunk;
       const int64_t rows = std::min(chunk, in.len_q - row0);
       const Head<T> head = head_pointers(in, bh);
       const int64_t first_row = bh * in.len_q + row0;  // row index in (B*H*Lq)
-      T* scores = out.weights ? out.weights + first_row * in.len_k : buffer.data();
-      chunk_scores(in, head, row0, rows, scores);
+      T* scores = out.weights ? out.weights + first_row * ld : buffer.data();
+      const int64_t width = scores_for_chunk(in, head, row0, rows, scores);
       T* out_rows = out.out + first_row * in.d_v;
       for (int64_t r = 0; r < rows; ++r) {
-        T* s = scores + r * in.len_k;
-        const auto [max, sum] = exp_row(s, in.len_k);
+        T* s = scores + r * ld;
+        const auto [max, sum] = exp_row(s, width);
         out.lse[first_row + r] = max + std::log(sum);
         inv_sum[r] = T(1) / sum;
         if (out.weights) {
-          scale_row(s, in.len_k, inv_sum[r]);
+          scale_row(s, width, inv_sum[r]);
+          std::fill(s + width, s + ld, T(0));  // keys no query of this chunk can see
         }
         if (in.dropout_p > 0) {
-          const auto first = static_cast<uint64_t>((first_row + r) * in.len_k);
-          for_each_keep(in, first, in.len_k, [s](int64_t j, T keep) { s[j] *= keep; });
+          fill_keep(in, static_cast<uint64_t>((first_row + r) * ld), width, words, keep.data());
+          at::vec::map2([](Vectorized<T> a, Vectorized<T> b) { return a * b; }, s, s, keep.data(), width);
         }
       }
-      gemm<T>(false, false, rows, in.d_v, in.len_k, T(1), scores, in.len_k, head.v, in.v_stride.row, T(0), out_rows,
-              in.d_v);
+      gemm<T>(false, false, rows, in.d_v, width, T(1), scores, ld, head.v, in.v_stride.row, T(0), out_rows, in.d_v);
       if (!out.weights) {  // normalize d_v outputs per row instead of Lk weights
         for (int64_t r = 0; r < rows; ++r) {
-          scale_row(out_rows + r * in.d_v, in.d_v, in.len_k > 0 ? inv_sum[r] : T(0));
+          scale_row(out_rows + r * in.d_v, in.d_v, width > 0 ? inv_sum[r] : T(0));
         }
       }
     }
@@ -163,60 +234,63 @@ void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<
   const int64_t chunks = (in.len_q + chunk - 1) / chunk;
   const int64_t splits = g.splits;
   const int64_t tasks = in.batch * in.heads * splits;
-  const int64_t n = in.len_k;
+  const int64_t ld = in.len_k;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> probs(chunk * n), grad_w(chunk * n), keep_row(in.dropout_p > 0 ? n : 0);
+    std::vector<T> probs(chunk * ld), grad_w(chunk * ld), keep(in.dropout_p > 0 ? ld : 0);
+    std::vector<uint32_t> words;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / splits, split = task % splits;
       const Head<T> head = head_pointers(in, bh);
-      T* grad_k = g.grad_k_partial + (bh * splits + split) * n * in.d_k;
-      T* grad_v = g.grad_v_partial + (bh * splits + split) * n * in.d_v;
-      std::fill(grad_k, grad_k + n * in.d_k, T(0));
-      std::fill(grad_v, grad_v + n * in.d_v, T(0));
+      T* grad_k = g.grad_k_partial + (bh * splits + split) * ld * in.d_k;
+      T* grad_v = g.grad_v_partial + (bh * splits + split) * ld * in.d_v;
+      std::fill(grad_k, grad_k + ld * in.d_k, T(0));
+      std::fill(grad_v, grad_v + ld * in.d_v, T(0));
       const int64_t chunk_begin = split * chunks / splits, chunk_end = (split + 1) * chunks / splits;
       for (int64_t c = chunk_begin; c < chunk_end; ++c) {
         const int64_t row0 = c * chunk, rows = std::min(chunk, in.len_q - row0);
         const int64_t first_row = bh * in.len_q + row0;
         const T* grad_out = g.grad_out + first_row * in.d_v;
         // P = exp(S - lse), recomputed; dW = dO V^T (+ the gradient of the returned weights)
-        chunk_scores(in, head, row0, rows, probs.data());
-        gemm<T>(false, true, rows, n, in.d_v, T(1), grad_out, in.d_v, head.v, in.v_stride.row, T(0), grad_w.data(), n);
+        const int64_t width = scores_for_chunk(in, head, row0, rows, probs.data());
+        gemm<T>(false, true, rows, width, in.d_v, T(1), grad_out, in.d_v, head.v, in.v_stride.row, T(0), grad_w.data(),
+                ld);
         for (int64_t r = 0; r < rows; ++r) {
-          T* p = probs.data() + r * n;
-          T* dw = grad_w.data() + r * n;
+          T* p = probs.data() + r * ld;
+          T* dw = grad_w.data() + r * ld;
           const Vec lse(g.lse[first_row + r]);
-          at::vec::map([lse](Vec s) { return (s - lse).exp(); }, p, p, n);
+          at::vec::map([lse](Vec s) { return (s - lse).exp(); }, p, p, width);
           if (g.grad_weights) {
-            const T* gw = g.grad_weights + (first_row + r) * n;
-            at::vec::map2([](Vec a, Vec b) { return a + b; }, dw, dw, gw, n);
+            const T* gw = g.grad_weights + (first_row + r) * ld;
+            at::vec::map2([](Vec a, Vec b) { return a + b; }, dw, dw, gw, width);
           }
           // With dropout: dP = dW * keep, and the weights that were applied are W = P * keep.
-          T dot;
           if (in.dropout_p > 0) {
-            const auto first = static_cast<uint64_t>((first_row + r) * n);
-            for_each_keep(in, first, n, [&](int64_t j, T keep) { keep_row[j] = keep; });
-            at::vec::map2([](Vec a, Vec b) { return a * b; }, dw, dw, keep_row.data(), n);
+            fill_keep(in, static_cast<uint64_t>((first_row + r) * ld), width, words, keep.data());
+            at::vec::map2([](Vec a, Vec b) { return a * b; }, dw, dw, keep.data(), width);
           }
-          dot = at::vec::map2_reduce_all<T>([](Vec a, Vec b) { return a * b; }, [](Vec a, Vec b) { return a + b; }, dw,
-                                            p, n);
+          const T dot = at::vec::map2_reduce_all<T>([](Vec a, Vec b) { return a * b; },
+                                                    [](Vec a, Vec b) { return a + b; }, dw, p, width);
           // dS = P * (dP - sum_j dP_j P_j) into dW's row; masked scores were overwritten: no gradient there.
           const Vec dot_vec(dot);
-          at::vec::map2([dot_vec](Vec pj, Vec dpj) { return pj * (dpj - dot_vec); }, dw, p, dw, n);
+          at::vec::map2([dot_vec](Vec pj, Vec dpj) { return pj * (dpj - dot_vec); }, dw, p, dw, width);
           if (head.mask) {
             const bool* mask_row = head.mask + (row0 + r) * in.mask_stride[2];
-            for (int64_t j = 0; j < n; ++j) {
+            for (int64_t j = 0; j < width; ++j) {
               if (!mask_row[j * in.mask_stride[3]]) dw[j] = T(0);
             }
           }
+          if (in.is_causal) {
+            for (int64_t j = row0 + r + 1; j < width; ++j) dw[j] = T(0);
+          }
           if (in.dropout_p > 0) {  // P's row becomes W for the dV GEMM
-            at::vec::map2([](Vec a, Vec b) { return a * b; }, p, p, keep_row.data(), n);
+            at::vec::map2([](Vec a, Vec b) { return a * b; }, p, p, keep.data(), width);
           }
         }
-        // dV += W^T dO ; dQ = scale * dS K ; dK += scale * dS^T Q
-        gemm<T>(true, false, n, in.d_v, rows, T(1), probs.data(), n, grad_out, in.d_v, T(1), grad_v, in.d_v);
-        gemm<T>(false, false, rows, in.d_k, n, in.scale, grad_w.data(), n, head.k, in.k_stride.row, T(0),
+        // dV += W^T dO ; dQ = scale * dS K ; dK += scale * dS^T Q (over the keys this chunk sees)
+        gemm<T>(true, false, width, in.d_v, rows, T(1), probs.data(), ld, grad_out, in.d_v, T(1), grad_v, in.d_v);
+        gemm<T>(false, false, rows, in.d_k, width, in.scale, grad_w.data(), ld, head.k, in.k_stride.row, T(0),
                 g.grad_q + first_row * in.d_k, in.d_k);
-        gemm<T>(true, false, n, in.d_k, rows, in.scale, grad_w.data(), n, head.q + row0 * in.q_stride.row,
+        gemm<T>(true, false, width, in.d_k, rows, in.scale, grad_w.data(), ld, head.q + row0 * in.q_stride.row,
                 in.q_stride.row, T(1), grad_k, in.d_k);
       }
     }

@@ -20,7 +20,8 @@ struct AttentionInputs {
   int64_t batch, heads, len_q, len_k, d_k, d_v;
   const bool* mask;  // nullptr: no mask; true = attend, false = filled with -1e9
   int64_t mask_stride[4];
-  T scale;  // 1 / sqrt(d_k)
+  T scale;         // 1 / sqrt(d_k)
+  bool is_causal;  // query i attends keys j <= i only (top-left), as if tril(ones(Lq, Lk)) were in the mask
   double dropout_p;
   uint64_t seed, offset;  // Philox stream of this call's dropout
 };

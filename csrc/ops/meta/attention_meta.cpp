@@ -12,7 +12,7 @@ namespace {
 
 detail::AttentionForwardResult attention_forward_meta(const at::Tensor& query, const at::Tensor& key,
                                                       const at::Tensor& value, const std::optional<at::Tensor>& mask,
-                                                      double dropout_p, bool need_weights) {
+                                                      double dropout_p, bool need_weights, bool is_causal) {
   check_attention_inputs(query, key, value, mask, dropout_p);
   const auto batch = query.sym_size(0), heads = query.sym_size(1), len_q = query.sym_size(2);
   const auto len_k = key.sym_size(2), d_v = value.sym_size(3);
@@ -28,7 +28,7 @@ detail::AttentionForwardResult attention_forward_meta(const at::Tensor& query, c
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_meta(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights, const at::Tensor& query,
     const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& mask, const at::Tensor& output,
-    const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p) {
+    const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p, bool is_causal) {
   return {at::empty_like(query, at::MemoryFormat::Contiguous), at::empty_like(key, at::MemoryFormat::Contiguous),
           at::empty_like(value, at::MemoryFormat::Contiguous)};
 }
