@@ -15,9 +15,9 @@ def qkv(b, h, lq, lk, d, dtype=torch.float64, requires_grad=False):
     return [torch.randn(b, h, n, d, dtype=dtype, requires_grad=requires_grad) for n in (lq, lk, lk)]
 
 
-# Query chunks are 64 rows (32 when Lk > 2048): lengths on both sides of them, primes and 1.
-@pytest.mark.parametrize("lq,lk", [(1, 1), (1, 97), (31, 33), (63, 64), (64, 65), (65, 63), (127, 129), (131, 7),
-                                   (65, 2049)])
+# Query chunks are 128 rows up to Lk = 4096 (64 at Lk = 8193): lengths on both sides of them, primes and 1.
+@pytest.mark.parametrize("lq,lk", [(1, 1), (1, 97), (31, 33), (127, 129), (128, 5), (129, 3), (131, 7), (257, 64),
+                                   (65, 8193)])
 def test_chunk_boundaries_forward_and_backward(lq, lk):
     q, k, v = qkv(1, 2, lq, lk, 8, requires_grad=True)
     mask = torch.rand(lq, lk) > 0.2
