@@ -30,9 +30,10 @@ void MultiHeadAttentionImpl::reset() {
 at::Tensor MultiHeadAttentionImpl::forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                            const at::Tensor& mask) {
   const double dropout_p = is_training() ? options.dropout() : 0.0;
-  auto [output, weights] = multi_head_attention(
-      query, key, value, w_q->weight, w_k->weight, w_v->weight, w_o->weight, options.heads(),
-      mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt, dropout_p, options.need_weights());
+  auto [output, weights] =
+      multi_head_attention(query, key, value, w_q->weight, w_k->weight, w_v->weight, w_o->weight, options.heads(),
+                           mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt, dropout_p,
+                           options.need_weights(), options.is_causal());
   attention_scores_ = options.need_weights() ? weights : at::Tensor();
   return output;
 }
@@ -40,7 +41,7 @@ at::Tensor MultiHeadAttentionImpl::forward(const at::Tensor& query, const at::Te
 void MultiHeadAttentionImpl::pretty_print(std::ostream& stream) const {
   stream << "fastmha::MultiHeadAttention(d_model=" << options.d_model() << ", heads=" << options.heads()
          << ", dropout=" << options.dropout() << ", need_weights=" << (options.need_weights() ? "true" : "false")
-         << ")";
+         << ", is_causal=" << (options.is_causal() ? "true" : "false") << ")";
 }
 
 }  // namespace fastmha

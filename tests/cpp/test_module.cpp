@@ -88,3 +88,19 @@ TEST_CASE("a tiny model trains in C++ through the Autograd kernel", "[module]") 
   }
   CHECK(last < 0.5 * first);
 }
+
+TEST_CASE("is_causal matches an explicit lower-triangular mask", "[module]") {
+  torch::manual_seed(4);
+  fastmha::MultiHeadAttention mha(fastmha::MultiHeadAttentionOptions(16, 4).is_causal(true));
+  mha->to(torch::kFloat64);
+  auto x = torch::randn({2, 7, 16}, torch::kFloat64);
+  auto out = mha(x, x, x);
+  auto [ref_out, ref_weights] = oracle::block(x, x, x, mha->w_q->weight, mha->w_k->weight, mha->w_v->weight,
+                                              mha->w_o->weight, 4, torch::tril(torch::ones({7, 7})));
+  CHECK(oracle::close(out, ref_out));
+  CHECK(oracle::close(mha->attention_scores(), ref_weights));
+  std::ostringstream printed;
+  mha->pretty_print(printed);
+  CHECK(printed.str() ==
+        "fastmha::MultiHeadAttention(d_model=16, heads=4, dropout=0, need_weights=true, is_causal=true)");
+}

@@ -25,10 +25,15 @@ def oracle_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = N
 
 
 class OracleBlock(nn.Module):
-    """The block from the formulas, with the textbook class's parameter names (its state_dict keys)."""
+    """The block from the formulas, with the textbook class's parameter names (its state_dict keys).
 
-    def __init__(self, d_model: int, h: int):
+    Dropout: an explicit keep-mask (tests that replay fastmha's mask), or, in training with dropout > 0 and
+    no keep given, a fresh Bernoulli mask like nn.Dropout (the benchmark's and the demo's eager peer).
+    """
+
+    def __init__(self, d_model: int, h: int, dropout: float = 0.0):
         super().__init__()
+        self.p = dropout
         self.h = h
         self.d_k = d_model // h
         self.w_q = nn.Linear(d_model, d_model, bias=False)
@@ -40,7 +45,11 @@ class OracleBlock(nn.Module):
         b, length, _ = x.shape
         return x.reshape(b, length, self.h, self.d_k).permute(0, 2, 1, 3)
 
-    def forward(self, q, k, v, mask=None, keep=None, p=0.0):
+    def forward(self, q, k, v, mask=None, keep=None, p=None):
+        if p is None:
+            p = self.p
+        if keep is None and self.training and p > 0:
+            keep = torch.rand(q.size(0), self.h, q.size(1), k.size(1), device=q.device) >= p
         out, weights = oracle_attention(self.split(self.w_q(q)), self.split(self.w_k(k)), self.split(self.w_v(v)),
                                         mask, keep, p)
         b, _, length, _ = out.shape

@@ -28,6 +28,8 @@ struct MultiHeadAttentionOptions {
   TORCH_ARG(double, dropout) = 0.0;
   /// Keep the attention weights after each forward (attention_scores()); false saves their memory.
   TORCH_ARG(bool, need_weights) = true;
+  /// Query i attends keys j <= i only (top-left aligned when Lq != Lk), without a mask tensor.
+  TORCH_ARG(bool, is_causal) = false;
 };
 
 class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImpl> {

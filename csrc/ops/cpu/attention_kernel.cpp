@@ -155,18 +155,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
   const bool has_grad_weights = grad_weights.has_value() && grad_weights->defined();
   const auto grad_w = has_grad_weights ? grad_weights->to(acc).contiguous() : at::Tensor();
   const auto lse = logsumexp.to(acc).contiguous();
+  // The forward output gives each row's softmax-gradient constant directly when it is exact (not rounded to
+  // a half type) and the weights carry no gradient of their own.
+  const bool use_output = output.scalar_type() == acc && !has_grad_weights && output.numel() > 0;
+  const auto out = use_output ? output.contiguous() : at::Tensor();
   const auto mask_view = broadcast_mask(mask, query, key);
   const auto state = rng_state.to(at::kCPU).contiguous();
   const auto* seed_offset = state.const_data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES(acc, "fastmha_cpu_attention_backward", [&] {
     const auto in = kernel_inputs<scalar_t>(q, k, v, mask_view, dropout_p, is_causal, seed_offset[0], seed_offset[1]);
-    const cpu::AttentionBackwardTensors<scalar_t> grads{grad_out.const_data_ptr<scalar_t>(),
-                                                        has_grad_weights ? grad_w.const_data_ptr<scalar_t>() : nullptr,
-                                                        lse.const_data_ptr<scalar_t>(),
-                                                        grad_q.data_ptr<scalar_t>(),
-                                                        grad_k_partial.data_ptr<scalar_t>(),
-                                                        grad_v_partial.data_ptr<scalar_t>(),
-                                                        splits};
+    const cpu::AttentionBackwardTensors<scalar_t> grads{
+        grad_out.const_data_ptr<scalar_t>(), has_grad_weights ? grad_w.const_data_ptr<scalar_t>() : nullptr,
+        lse.const_data_ptr<scalar_t>(),      use_output ? out.const_data_ptr<scalar_t>() : nullptr,
+        grad_q.data_ptr<scalar_t>(),         grad_k_partial.data_ptr<scalar_t>(),
+        grad_v_partial.data_ptr<scalar_t>(), splits};
     run_backward<scalar_t>(in, grads);
   });
   auto reduce = [&](const at::Tensor& partial, int64_t d, const at::Tensor& like) {

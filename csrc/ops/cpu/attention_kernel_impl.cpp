@@ -227,6 +227,61 @@ void forward_impl(const AttentionInputs<T>& in, const AttentionForwardOutputs<T>
   });
 }
 
+// Zeroes dS where the scores were overwritten (mask == 0, or above the diagonal when causal).
+template <typename T>
+void zero_masked(const AttentionInputs<T>& in, const Head<T>& head, int64_t query, int64_t width, T* ds) {
+  if (head.mask) {
+    const bool* mask_row = head.mask + query * in.mask_stride[2];
+    for (int64_t j = 0; j < width; ++j) {
+      if (!mask_row[j * in.mask_stride[3]]) ds[j] = T(0);
+    }
+  }
+  if (in.is_causal) {
+    for (int64_t j = query + 1; j < width; ++j) ds[j] = T(0);
+  }
+}
+
+// One pass over a row: P = exp(S - lse), dP = dW * keep, dS = P * (dP - D), W = P * keep, where
+// D = sum_j dP_j P_j = dO . O (the forward output row; true with dropout too), so no row reduction is needed.
+// Masked scores have P = 0 exactly (exp(-1e9 - lse)), hence dS = 0, except in rows masked everywhere.
+template <typename T>
+void fused_backward_row(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, int64_t row, int64_t query,
+                        int64_t width, const Head<T>& head, T* p, T* dw, std::vector<uint32_t>& words, T* keep) {
+  using Vec = Vectorized<T>;
+  const T* grad_out = g.grad_out + row * in.d_v;
+  const T* out = g.out + row * in.d_v;
+  const T d = at::vec::map2_reduce_all<T>([](Vec a, Vec b) { return a * b; }, [](Vec a, Vec b) { return a + b; },
+                                          grad_out, out, in.d_v);
+  const T lse = g.lse[row];
+  const Vec lse_vec(lse), d_vec(d);
+  const bool dropout = in.dropout_p > 0;
+  if (dropout) {
+    fill_keep(in, static_cast<uint64_t>(row * in.len_k), width, words, keep);
+  }
+  int64_t j = 0;
+  for (; j + Vec::size() <= width; j += Vec::size()) {
+    const Vec prob = (Vec::loadu(p + j) - lse_vec).exp();
+    Vec dp = Vec::loadu(dw + j);
+    if (dropout) {
+      const Vec k = Vec::loadu(keep + j);
+      dp = dp * k;
+      (prob * k).store(p + j);
+    } else {
+      prob.store(p + j);
+    }
+    (prob * (dp - d_vec)).store(dw + j);
+  }
+  for (; j < width; ++j) {
+    const T prob = std::exp(p[j] - lse);
+    const T k = dropout ? keep[j] : T(1);
+    p[j] = prob * k;
+    dw[j] = prob * (dw[j] * k - d);
+  }
+  if (lse < T(kMaskedScore / 2)) {  // masked everywhere: uniform P, so the masked dS must be zeroed
+    zero_masked(in, head, query, width, dw);
+  }
+}
+
 template <typename T>
 void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g) {
   using Vec = Vectorized<T>;
@@ -257,6 +312,10 @@ void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<
         for (int64_t r = 0; r < rows; ++r) {
           T* p = probs.data() + r * ld;
           T* dw = grad_w.data() + r * ld;
+          if (g.out != nullptr && g.grad_weights == nullptr) {
+            fused_backward_row(in, g, first_row + r, row0 + r, width, head, p, dw, words, keep.data());
+            continue;
+          }
           const Vec lse(g.lse[first_row + r]);
           at::vec::map([lse](Vec s) { return (s - lse).exp(); }, p, p, width);
           if (g.grad_weights) {
@@ -273,15 +332,7 @@ void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<
           // dS = P * (dP - sum_j dP_j P_j) into dW's row; masked scores were overwritten: no gradient there.
           const Vec dot_vec(dot);
           at::vec::map2([dot_vec](Vec pj, Vec dpj) { return pj * (dpj - dot_vec); }, dw, p, dw, width);
-          if (head.mask) {
-            const bool* mask_row = head.mask + (row0 + r) * in.mask_stride[2];
-            for (int64_t j = 0; j < width; ++j) {
-              if (!mask_row[j * in.mask_stride[3]]) dw[j] = T(0);
-            }
-          }
-          if (in.is_causal) {
-            for (int64_t j = row0 + r + 1; j < width; ++j) dw[j] = T(0);
-          }
+          zero_masked(in, head, row0 + r, width, dw);
           if (in.dropout_p > 0) {  // P's row becomes W for the dV GEMM
             at::vec::map2([](Vec a, Vec b) { return a * b; }, p, p, keep.data(), width);
           }
