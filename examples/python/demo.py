@@ -165,13 +165,13 @@ def run_cpp(out_dir, model_path, max_len):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=800)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "demo")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--max-len", type=int, default=10)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--skip-cpp", action="store_true", help="do not build and run the C++ translate example")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)

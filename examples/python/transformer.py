@@ -78,6 +78,7 @@ class Seq2Seq(nn.Module):
                  dropout: float = 0.1):
         super().__init__()
         self.d_model = d_model
+        self.pad, self.bos, self.eos = PAD, BOS, EOS  # attributes, so TorchScript sees them
         self.src_embed = nn.Embedding(VOCAB, d_model, padding_idx=PAD)
         self.tgt_embed = nn.Embedding(VOCAB, d_model, padding_idx=PAD)
         self.position = PositionalEncoding(d_model)
@@ -88,12 +89,12 @@ class Seq2Seq(nn.Module):
         self.generator = nn.Linear(d_model, VOCAB)
         self.dropout = nn.Dropout(dropout)
 
-    def embed(self, embedding: nn.Embedding, tokens: Tensor) -> Tensor:
-        x = embedding(tokens) * math.sqrt(self.d_model)
-        return self.dropout(self.position(x))
+    def add_position(self, embedded: Tensor) -> Tensor:
+        # Unscaled embeddings (no sqrt(d_model)): at this size the positions must stay as loud as the tokens.
+        return self.dropout(self.position(embedded))
 
     def encode(self, src: Tensor, src_mask: Tensor) -> Tensor:
-        x = self.embed(self.src_embed, src)
+        x = self.add_position(self.src_embed(src))
         for layer in self.encoder:
             x = layer(x, src_mask)
         return self.encoder_norm(x)
@@ -101,29 +102,29 @@ class Seq2Seq(nn.Module):
     def decode(self, memory: Tensor, src_mask: Tensor, tgt: Tensor) -> Tensor:
         length = tgt.size(1)
         causal = torch.tril(torch.ones(length, length, dtype=torch.bool, device=tgt.device))
-        tgt_mask = (tgt != PAD)[:, None, None, :] & causal  # (batch, 1, T, T)
-        y = self.embed(self.tgt_embed, tgt)
+        tgt_mask = (tgt != self.pad)[:, None, None, :] & causal  # (batch, 1, T, T)
+        y = self.add_position(self.tgt_embed(tgt))
         for layer in self.decoder:
             y = layer(y, memory, src_mask, tgt_mask)
         return self.generator(self.decoder_norm(y))
 
     def forward(self, src: Tensor, tgt: Tensor) -> Tensor:
-        src_mask = (src != PAD)[:, None, None, :]  # (batch, 1, 1, S): padding keys are not attended
+        src_mask = (src != self.pad)[:, None, None, :]  # (batch, 1, 1, S): padding keys are not attended
         return self.decode(self.encode(src, src_mask), src_mask, tgt)
 
     @torch.jit.export
     def translate(self, src: Tensor, max_len: int) -> Tensor:
         """Greedy decoding: (batch, S) source tokens -> (batch, <= max_len) output tokens after BOS."""
-        src_mask = (src != PAD)[:, None, None, :]
+        src_mask = (src != self.pad)[:, None, None, :]
         memory = self.encode(src, src_mask)
-        out = torch.full((src.size(0), 1), BOS, dtype=torch.long, device=src.device)
+        out = torch.full((src.size(0), 1), self.bos, dtype=torch.long, device=src.device)
         done = torch.zeros(src.size(0), dtype=torch.bool, device=src.device)
         for _ in range(max_len):
             logits = self.decode(memory, src_mask, out)
             next_token = logits[:, -1].argmax(-1)
-            next_token = torch.where(done, torch.full_like(next_token, PAD), next_token)
+            next_token = torch.where(done, torch.full_like(next_token, self.pad), next_token)
             out = torch.cat([out, next_token[:, None]], dim=1)
-            done = done | (next_token == EOS)
+            done = done | (next_token == self.eos)
             if bool(done.all()):
                 break
         return out[:, 1:]

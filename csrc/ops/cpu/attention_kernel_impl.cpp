@@ -141,6 +141,21 @@ void fill_keep(const AttentionInputs<T>& in, uint64_t first, int64_t n, std::vec
   }
 }
 
+// Dropout multipliers of a chunk's rows (row stride Lk): one pass when the rows are contiguous in the score
+// layout (the whole width is used), so short rows do not each pay for a Philox batch.
+template <typename T>
+void fill_chunk_keep(const AttentionInputs<T>& in, int64_t first_row, int64_t rows, int64_t width,
+                     std::vector<uint32_t>& words, T* keep) {
+  const int64_t ld = in.len_k;
+  if (width == ld) {
+    fill_keep(in, static_cast<uint64_t>(first_row * ld), rows * ld, words, keep);
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    fill_keep(in, static_cast<uint64_t>((first_row + r) * ld), width, words, keep + r * ld);
+  }
+}
+
 // Keys a chunk of queries can see: with is_causal, query i attends keys j <= i, so rows row0 .. row0+rows-1
 // need only the first row0 + rows keys (the rest are masked for the whole chunk and never computed).
 template <typename T>
@@ -193,7 +208,7 @@ void forward_impl(const AttentionInputs<T>& in, const AttentionForwardOutputs<T>
   const int64_t tasks = in.batch * in.heads * chunks;
   const int64_t ld = in.len_k;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> buffer(out.weights ? 0 : chunk * ld), inv_sum(chunk), keep(in.dropout_p > 0 ? ld : 0);
+    std::vector<T> buffer(out.weights ? 0 : chunk * ld), inv_sum(chunk), keep(in.dropout_p > 0 ? chunk * ld : 0);
     std::vector<uint32_t> words;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / chunks, row0 = (task % chunks) * chunk;
@@ -203,6 +218,9 @@ void forward_impl(const AttentionInputs<T>& in, const AttentionForwardOutputs<T>
       T* scores = out.weights ? out.weights + first_row * ld : buffer.data();
       const int64_t width = scores_for_chunk(in, head, row0, rows, scores);
       T* out_rows = out.out + first_row * in.d_v;
+      if (in.dropout_p > 0) {
+        fill_chunk_keep(in, first_row, rows, width, words, keep.data());
+      }
       for (int64_t r = 0; r < rows; ++r) {
         T* s = scores + r * ld;
         const auto [max, sum] = exp_row(s, width);
@@ -213,8 +231,7 @@ void forward_impl(const AttentionInputs<T>& in, const AttentionForwardOutputs<T>
           std::fill(s + width, s + ld, T(0));  // keys no query of this chunk can see
         }
         if (in.dropout_p > 0) {
-          fill_keep(in, static_cast<uint64_t>((first_row + r) * ld), width, words, keep.data());
-          at::vec::map2([](Vectorized<T> a, Vectorized<T> b) { return a * b; }, s, s, keep.data(), width);
+          at::vec::map2([](Vectorized<T> a, Vectorized<T> b) { return a * b; }, s, s, keep.data() + r * ld, width);
         }
       }
       gemm<T>(false, false, rows, in.d_v, width, T(1), scores, ld, head.v, in.v_stride.row, T(0), out_rows, in.d_v);
@@ -246,7 +263,7 @@ void zero_masked(const AttentionInputs<T>& in, const Head<T>& head, int64_t quer
 // Masked scores have P = 0 exactly (exp(-1e9 - lse)), hence dS = 0, except in rows masked everywhere.
 template <typename T>
 void fused_backward_row(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, int64_t row, int64_t query,
-                        int64_t width, const Head<T>& head, T* p, T* dw, std::vector<uint32_t>& words, T* keep) {
+                        int64_t width, const Head<T>& head, T* p, T* dw, const T* keep) {
   using Vec = Vectorized<T>;
   const T* grad_out = g.grad_out + row * in.d_v;
   const T* out = g.out + row * in.d_v;
@@ -254,10 +271,7 @@ void fused_backward_row(const AttentionInputs<T>& in, const AttentionBackwardTen
                                           grad_out, out, in.d_v);
   const T lse = g.lse[row];
   const Vec lse_vec(lse), d_vec(d);
-  const bool dropout = in.dropout_p > 0;
-  if (dropout) {
-    fill_keep(in, static_cast<uint64_t>(row * in.len_k), width, words, keep);
-  }
+  const bool dropout = keep != nullptr;
   int64_t j = 0;
   for (; j + Vec::size() <= width; j += Vec::size()) {
     const Vec prob = (Vec::loadu(p + j) - lse_vec).exp();
@@ -291,7 +305,7 @@ void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<
   const int64_t tasks = in.batch * in.heads * splits;
   const int64_t ld = in.len_k;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> probs(chunk * ld), grad_w(chunk * ld), keep(in.dropout_p > 0 ? ld : 0);
+    std::vector<T> probs(chunk * ld), grad_w(chunk * ld), keep(in.dropout_p > 0 ? chunk * ld : 0);
     std::vector<uint32_t> words;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / splits, split = task % splits;
@@ -309,11 +323,15 @@ void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<
         const int64_t width = scores_for_chunk(in, head, row0, rows, probs.data());
         gemm<T>(false, true, rows, width, in.d_v, T(1), grad_out, in.d_v, head.v, in.v_stride.row, T(0), grad_w.data(),
                 ld);
+        if (in.dropout_p > 0) {
+          fill_chunk_keep(in, first_row, rows, width, words, keep.data());
+        }
         for (int64_t r = 0; r < rows; ++r) {
           T* p = probs.data() + r * ld;
           T* dw = grad_w.data() + r * ld;
+          const T* keep_row = in.dropout_p > 0 ? keep.data() + r * ld : nullptr;
           if (g.out != nullptr && g.grad_weights == nullptr) {
-            fused_backward_row(in, g, first_row + r, row0 + r, width, head, p, dw, words, keep.data());
+            fused_backward_row(in, g, first_row + r, row0 + r, width, head, p, dw, keep_row);
             continue;
           }
           const Vec lse(g.lse[first_row + r]);
@@ -324,8 +342,7 @@ void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<
           }
           // With dropout: dP = dW * keep, and the weights that were applied are W = P * keep.
           if (in.dropout_p > 0) {
-            fill_keep(in, static_cast<uint64_t>((first_row + r) * ld), width, words, keep.data());
-            at::vec::map2([](Vec a, Vec b) { return a * b; }, dw, dw, keep.data(), width);
+            at::vec::map2([](Vec a, Vec b) { return a * b; }, dw, dw, keep_row, width);
           }
           const T dot = at::vec::map2_reduce_all<T>([](Vec a, Vec b) { return a * b; },
                                                     [](Vec a, Vec b) { return a + b; }, dw, p, width);
@@ -334,7 +351,7 @@ void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<
           at::vec::map2([dot_vec](Vec pj, Vec dpj) { return pj * (dpj - dot_vec); }, dw, p, dw, width);
           zero_masked(in, head, row0 + r, width, dw);
           if (in.dropout_p > 0) {  // P's row becomes W for the dV GEMM
-            at::vec::map2([](Vec a, Vec b) { return a * b; }, p, p, keep.data(), width);
+            at::vec::map2([](Vec a, Vec b) { return a * b; }, p, p, keep_row, width);
           }
         }
         // dV += W^T dO ; dQ = scale * dS K ; dK += scale * dS^T Q (over the keys this chunk sees)

@@ -15,6 +15,54 @@ void dgemm_(const char* transa, const char* transb, const int* m, const int* n, 
 
 namespace fastmha::cpu {
 
+// Below this many multiply-adds a plain loop beats the BLAS call's fixed cost (short sequences run thousands
+// of tiny per-head products).
+constexpr int64_t kSmallGemm = 32 * 32 * 32;
+
+// The same contract as gemm() below, as loops the compiler vectorizes (each loop order keeps the innermost
+// index contiguous).
+template <typename T>
+inline void small_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda,
+                       const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
+  if (!trans_a && trans_b) {  // c[i, j] = a[i, :] . b[j, :]
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = 0; j < n; ++j) {
+        T acc = 0;
+        for (int64_t p = 0; p < k; ++p) acc += a[i * lda + p] * b[j * ldb + p];
+        c[i * ldc + j] = alpha * acc + (beta == T(0) ? T(0) : beta * c[i * ldc + j]);
+      }
+    }
+    return;
+  }
+  for (int64_t i = 0; i < m; ++i) {
+    T* row = c + i * ldc;
+    for (int64_t j = 0; j < n; ++j) row[j] = beta == T(0) ? T(0) : beta * row[j];
+  }
+  if (!trans_a && !trans_b) {  // c[i, :] += alpha * a[i, p] * b[p, :]
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t p = 0; p < k; ++p) {
+        const T x = alpha * a[i * lda + p];
+        for (int64_t j = 0; j < n; ++j) c[i * ldc + j] += x * b[p * ldb + j];
+      }
+    }
+  } else if (trans_a && !trans_b) {  // c[i, :] += alpha * a[p, i] * b[p, :]
+    for (int64_t p = 0; p < k; ++p) {
+      for (int64_t i = 0; i < m; ++i) {
+        const T x = alpha * a[p * lda + i];
+        for (int64_t j = 0; j < n; ++j) c[i * ldc + j] += x * b[p * ldb + j];
+      }
+    }
+  } else {  // both transposed: c[i, j] += alpha * a[p, i] * b[j, p]
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = 0; j < n; ++j) {
+        T acc = 0;
+        for (int64_t p = 0; p < k; ++p) acc += a[p * lda + i] * b[j * ldb + p];
+        c[i * ldc + j] += alpha * acc;
+      }
+    }
+  }
+}
+
 // C (m x n, row stride ldc) = alpha * op(A) * op(B) + beta * C, all row-major; op(X) = X^T when trans_x.
 // A row-major matrix is the transposed column-major one, so this is the column-major C^T = op(B)^T op(A)^T.
 template <typename T>
@@ -22,6 +70,9 @@ inline void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T 
                  const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
   if (m == 0 || n == 0) {
     return;
+  }
+  if (m * n * k <= kSmallGemm) {
+    return small_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
   const char ta = trans_b ? 'T' : 'N', tb = trans_a ? 'T' : 'N';
   const int mi = static_cast<int>(n), ni = static_cast<int>(m), ki = static_cast<int>(k);
