@@ -25,7 +25,6 @@ import json
 import math
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -271,10 +270,21 @@ def probe_memory(cfg_json, peer, device_type):
         torch.cuda.reset_peak_memory_stats()
         timed(fn, cfg.mode, device, x)
         return (torch.cuda.max_memory_allocated() - base) / 2**20
-    with open("/proc/self/statm") as statm:
-        base = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    # Peak RSS of the call alone: reset the kernel's high-water mark (a fork/exec child inherits the parent's)
+    # and read it back; the difference from the RSS before the call is what the call added.
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+    base = _status_kib("VmRSS")
     timed(fn, cfg.mode, device, x)
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base) / 2**20
+    return (_status_kib("VmHWM") - base) / 1024
+
+
+def _status_kib(field):
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def matrix(args):
@@ -358,7 +368,9 @@ def main():
     parser.add_argument("--tag", default="", help="suffix for the result file names")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--full", action="store_true")
-    parser.add_argument("--memory", action="store_true", help="peak memory per peer (fresh process each) at L=4096")
+    parser.add_argument("--memory", action="store_true",
+                        help="also peak memory per peer (a fresh process each) for fwd+bwd rows with L >= 2048")
+    parser.add_argument("--memory-only", action="store_true", help="only the peak memory rows, no timings")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -369,6 +381,15 @@ def main():
             "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None}
     print(json.dumps(meta))
     rows = []
+    if args.memory_only:
+        for cfg in matrix(args):
+            if cfg.length >= 2048 and cfg.mode == "fwd+bwd":
+                row = asdict(cfg)
+                row.update({f"peak_mib_{peer}": peak_memory(cfg, peer, device) for peer in PEERS})
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        write_results(rows, args.out, f"{args.device}-{meta['date']}-memory", meta)
+        return
     for cfg in matrix(args):
         row = run_config(cfg, device, 3 if args.quick else args.repeats)
         if args.memory and cfg.length >= 2048 and cfg.mode == "fwd+bwd":

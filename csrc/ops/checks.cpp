@@ -35,6 +35,18 @@ void check_dim(const at::Tensor& t, const char* name, int64_t dim, const char* l
   TORCH_CHECK(t.dim() == dim, "fastmha: ", name, " must be ", dim, "-D ", layout, ", got shape ", t.sym_sizes());
 }
 
+void check_same_size(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t dim,
+                     const char* what) {
+  TORCH_CHECK(key.sym_size(dim) == query.sym_size(dim) && value.sym_size(dim) == query.sym_size(dim),
+              "fastmha: query, key and value must have the same ", what, " (dim ", dim, "), got query ",
+              query.sym_sizes(), ", key ", key.sym_sizes(), ", value ", value.sym_sizes());
+}
+
+void check_same_length(const at::Tensor& key, const at::Tensor& value, int64_t dim) {
+  TORCH_CHECK(value.sym_size(dim) == key.sym_size(dim), "fastmha: key and value must have the same length (dim ", dim,
+              "), got key ", key.sym_sizes(), ", value ", value.sym_sizes());
+}
+
 void check_dropout(double dropout_p) {
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "fastmha: dropout_p must be in [0, 1), got ", dropout_p);
 }
@@ -73,20 +85,14 @@ void check_attention_inputs(const at::Tensor& query, const at::Tensor& key, cons
   check_dim(query, "query", 4, "(batch, h, Lq, d_k)");
   check_dim(key, "key", 4, "(batch, h, Lk, d_k)");
   check_dim(value, "value", 4, "(batch, h, Lk, d_v)");
-  TORCH_CHECK(key.sym_size(0) == query.sym_size(0) && value.sym_size(0) == query.sym_size(0),
-              "fastmha: query, key and value must have the same batch size (dim 0), got query ", query.sym_sizes(),
-              ", key ", key.sym_sizes(), ", value ", value.sym_sizes());
-  TORCH_CHECK(key.sym_size(1) == query.sym_size(1) && value.sym_size(1) == query.sym_size(1),
-              "fastmha: query, key and value must have the same number of heads (dim 1), got query ", query.sym_sizes(),
-              ", key ", key.sym_sizes(), ", value ", value.sym_sizes());
+  check_same_size(query, key, value, 0, "batch size");
+  check_same_size(query, key, value, 1, "number of heads");
   TORCH_CHECK(key.sym_size(3) == query.sym_size(3),
               "fastmha: key must have the query's head size d_k (dim 3), got query ", query.sym_sizes(), ", key ",
               key.sym_sizes());
   TORCH_CHECK(query.sym_size(3) > 0, "fastmha: the head size d_k (query dim 3) must be positive, got query ",
               query.sym_sizes());
-  TORCH_CHECK(value.sym_size(2) == key.sym_size(2),
-              "fastmha: key and value must have the same length (dim 2), got key ", key.sym_sizes(), ", value ",
-              value.sym_sizes());
+  check_same_length(key, value, 2);
   check_mask(mask, query, query.sym_size(0), query.sym_size(1), query.sym_size(2), key.sym_size(2));
   check_dropout(dropout_p);
 }
@@ -120,12 +126,8 @@ void check_block_inputs(const at::Tensor& query, const at::Tensor& key, const at
     TORCH_CHECK(x->sym_size(2) == d_model, "fastmha: ", name, " must have d_model = ", d_model,
                 " features (last dim), got shape ", x->sym_sizes());
   }
-  TORCH_CHECK(key.sym_size(0) == query.sym_size(0) && value.sym_size(0) == query.sym_size(0),
-              "fastmha: query, key and value must have the same batch size (dim 0), got query ", query.sym_sizes(),
-              ", key ", key.sym_sizes(), ", value ", value.sym_sizes());
-  TORCH_CHECK(value.sym_size(1) == key.sym_size(1),
-              "fastmha: key and value must have the same length (dim 1), got key ", key.sym_sizes(), ", value ",
-              value.sym_sizes());
+  check_same_size(query, key, value, 0, "batch size");
+  check_same_length(key, value, 1);
   check_mask(mask, query, query.sym_size(0), c10::SymInt(num_heads), query.sym_size(1), key.sym_size(1));
   check_dropout(dropout_p);
 }
