@@ -24,7 +24,7 @@ void MultiHeadAttentionImpl::reset() {
   w_v = register_module("w_v", torch::nn::Linear(linear));
   w_o = register_module("w_o", torch::nn::Linear(linear));
   dropout = register_module("dropout", torch::nn::Dropout(options.dropout()));
-  attention_scores_ = at::Tensor();
+  attention_scores_.set(at::Tensor());
 }
 
 at::Tensor MultiHeadAttentionImpl::forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
@@ -34,7 +34,7 @@ at::Tensor MultiHeadAttentionImpl::forward(const at::Tensor& query, const at::Te
       multi_head_attention(query, key, value, w_q->weight, w_k->weight, w_v->weight, w_o->weight, options.heads(),
                            mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt, dropout_p,
                            options.need_weights(), options.is_causal());
-  attention_scores_ = options.need_weights() ? weights : at::Tensor();
+  attention_scores_.set(options.need_weights() ? weights : at::Tensor());
   return output;
 }
 

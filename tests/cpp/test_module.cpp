@@ -2,7 +2,10 @@
 #include <torch/torch.h>
 
 #include <fastmha/module.h>
+#include <fastmha/serialize.h>
+
 #include <catch2/catch.hpp>
+#include <filesystem>
 
 #include "oracle.h"
 
@@ -103,4 +106,18 @@ TEST_CASE("is_causal matches an explicit lower-triangular mask", "[module]") {
   mha->pretty_print(printed);
   CHECK(printed.str() ==
         "fastmha::MultiHeadAttention(d_model=16, heads=4, dropout=0, need_weights=true, is_causal=true)");
+}
+
+TEST_CASE("state dicts round-trip through a file in torch.save's format", "[module]") {
+  fastmha::MultiHeadAttention source(16, 4), target(16, 4);
+  const auto path = std::filesystem::temp_directory_path() / "fastmha_cpp_state_dict.pt";
+  fastmha::save_state_dict(*source, path.string());
+  fastmha::load_state_dict(*target, path.string());
+  for (const auto& name : {"w_q.weight", "w_k.weight", "w_v.weight", "w_o.weight"}) {
+    CHECK(torch::equal(source->named_parameters()[name], target->named_parameters()[name]));
+  }
+  fastmha::MultiHeadAttention other(8, 2);
+  CHECK_THROWS_WITH(fastmha::load_state_dict(*other, path.string()),
+                    Catch::Contains("'w_q.weight' has shape [16, 16]") && Catch::Contains("but [8, 8] in the module"));
+  std::filesystem::remove(path);
 }

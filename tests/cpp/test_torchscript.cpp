@@ -1,7 +1,5 @@
 // TorchScript from C++: a model scripted and saved by Python runs here, and a script module defined in C++
 // that calls torch.ops.fastmha round-trips through save/load.
-#include <torch/csrc/jit/frontend/resolver.h>
-#include <torch/csrc/jit/frontend/sugared_value.h>
 #include <torch/script.h>
 #include <torch/torch.h>
 
@@ -10,6 +8,7 @@
 #include <filesystem>
 
 #include "oracle.h"
+#include "script_module.h"
 
 TEST_CASE("a TorchScript model saved from Python gives Python's outputs", "[.python-model]") {
   const char* dir = std::getenv("FASTMHA_TEST_MODEL_DIR");
@@ -25,32 +24,8 @@ TEST_CASE("a TorchScript model saved from Python gives Python's outputs", "[.pyt
   CHECK(torch::allclose(out, expected, 1e-5, 1e-6));
 }
 
-namespace {
-
-// C++'s TorchScript compiler knows only aten ops by default: resolve the name `fastmha` to our op namespace.
-struct FastmhaResolver : torch::jit::Resolver {
-  std::shared_ptr<torch::jit::SugaredValue> resolveValue(const std::string& name, torch::jit::GraphFunction& fn,
-                                                         const torch::jit::SourceRange& loc) override {
-    if (name == "fastmha") {
-      return std::make_shared<torch::jit::BuiltinModule>("fastmha");
-    }
-    return torch::jit::nativeResolver()->resolveValue(name, fn, loc);
-  }
-  c10::TypePtr resolveType(const std::string& name, const torch::jit::SourceRange& loc) override {
-    return torch::jit::nativeResolver()->resolveType(name, loc);
-  }
-};
-
-}  // namespace
-
 TEST_CASE("a script module calling fastmha ops round-trips through save and load", "[torchscript]") {
-  torch::jit::Module module("Attention");
-  module.define(R"JIT(
-    def forward(self, q, k, v, mask: Optional[Tensor]):
-        out, weights = fastmha.attention(q, k, v, mask, 0.0, True)
-        return out
-  )JIT",
-                std::make_shared<FastmhaResolver>());
+  auto module = attention_script_module();
   const auto path = std::filesystem::temp_directory_path() / "fastmha_cpp_script_module.pt";
   module.save(path.string());
   auto loaded = torch::jit::load(path.string());

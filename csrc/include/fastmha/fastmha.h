@@ -4,3 +4,4 @@
 #include <fastmha/build_info.h>
 #include <fastmha/module.h>
 #include <fastmha/ops.h>
+#include <fastmha/serialize.h>

@@ -5,6 +5,8 @@
 //   fastmha::MultiHeadAttention mha(fastmha::MultiHeadAttentionOptions(512, 8).dropout(0.1));
 //   auto y = mha(x, x, x, mask);          // (batch, L, 512)
 //   auto w = mha->attention_scores();     // (batch, 8, L, L), post-dropout
+//
+// forward may run on many threads at once (eval mode gives each the same result as a serial call).
 #pragma once
 
 #include <torch/arg.h>
@@ -15,7 +17,35 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 
+#include <mutex>
+
 namespace fastmha {
+
+namespace detail {
+// The last forward's weights, safe to set and read from many threads at once (concurrent forwards on one
+// module are allowed; which call's weights remain is then unspecified). Copies get their own lock.
+class LastWeights {
+ public:
+  LastWeights() = default;
+  LastWeights(const LastWeights& other) : tensor_(other.get()) {}
+  LastWeights& operator=(const LastWeights& other) {
+    set(other.get());
+    return *this;
+  }
+  void set(at::Tensor tensor) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    tensor_ = std::move(tensor);
+  }
+  at::Tensor get() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return tensor_;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  at::Tensor tensor_;
+};
+}  // namespace detail
 
 struct MultiHeadAttentionOptions {
   MultiHeadAttentionOptions(int64_t d_model, int64_t heads) : d_model_(d_model), heads_(heads) {}
@@ -45,7 +75,7 @@ class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImp
 
   /// The post-dropout attention weights of the last forward (batch, heads, Lq, Lk); undefined when
   /// need_weights is false or before the first forward.
-  at::Tensor attention_scores() const { return attention_scores_; }
+  at::Tensor attention_scores() const { return attention_scores_.get(); }
 
   void reset() override;
   void pretty_print(std::ostream& stream) const override;
@@ -58,7 +88,7 @@ class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImp
   FORWARD_HAS_DEFAULT_ARGS({3, torch::nn::AnyValue(at::Tensor())})
 
  private:
-  at::Tensor attention_scores_;
+  detail::LastWeights attention_scores_;
 };
 
 TORCH_MODULE(MultiHeadAttention);

@@ -1,0 +1,17 @@
+"""Reading weights that C++ wrote with fastmha::save_state_dict (torch.save's format)."""
+
+from typing import Dict
+
+import torch
+import torch.jit._pickle
+from torch import Tensor
+
+
+def load_cpp_state_dict(path) -> Dict[str, Tensor]:
+    """Loads a state dict written by ``fastmha::save_state_dict`` in C++, with ``weights_only`` loading.
+
+    C++'s pickler tags containers with ``torch.jit._pickle.restore_type_tag``, which torch.load's safe mode does
+    not allow by default; it only restores type annotations, so it is allowed here and nothing else is.
+    """
+    with torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag]):
+        return dict(torch.load(path, weights_only=True))

@@ -1,0 +1,91 @@
+"""C++ users: outside CMake projects build against the installed package (find_package(fastmha)), load a
+model saved from Python without calling a fastmha symbol, train in C++, and weights move both ways."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import fastmha
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def build_example(name, build_dir):
+    venv_cmake = Path(sys.executable).parent / "cmake"
+    cmake = str(venv_cmake) if venv_cmake.exists() else "cmake"
+    configure = [cmake, "-S", str(ROOT / "examples" / "cpp" / name), "-B", str(build_dir), "-G", "Ninja",
+                 f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path};{fastmha.cmake_prefix_path}",
+                 "-DCMAKE_BUILD_TYPE=Release"]
+    if shutil.which("ccache"):
+        configure.append("-DCMAKE_CXX_COMPILER_LAUNCHER=ccache")
+    for command in (configure, [cmake, "--build", str(build_dir)]):
+        result = subprocess.run(command, capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return build_dir / name
+
+
+class Tensors(torch.nn.Module):
+    def __init__(self, **tensors):
+        super().__init__()
+        for name, tensor in tensors.items():
+            self.register_buffer(name, tensor)
+
+
+def test_program_linking_only_the_target_runs_a_python_scripted_model(tmp_path):
+    # run_scripted never calls a fastmha function: the ops are found because the target forces the link.
+    exe = build_example("run_scripted", tmp_path / "build")
+    block = fastmha.MultiHeadAttentionBlock(16, 4, 0.0).eval()
+    x, mask = torch.randn(2, 5, 16), torch.rand(2, 1, 1, 5) > 0.2
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = block
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return self.block(x, x, x, mask)
+
+    torch.jit.script(Layer()).save(str(tmp_path / "model.pt"))
+    torch.jit.script(Tensors(x=x, mask=mask, expected=block(x, x, x, mask).detach())).save(str(tmp_path / "data.pt"))
+    result = subprocess.run([str(exe), str(tmp_path / "model.pt"), str(tmp_path / "data.pt")], capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    readelf = subprocess.run(["readelf", "-d", str(exe)], capture_output=True, text=True).stdout
+    assert "libfastmha.so" in readelf
+
+
+def test_cpp_training_and_weights_back_to_python(tmp_path):
+    exe = build_example("train", tmp_path / "build")
+    result = subprocess.run([str(exe), str(tmp_path / "out"), "300"], capture_output=True, text=True)
+    assert result.returncode == 0 and "(learned)" in result.stdout, result.stdout + result.stderr
+    block = fastmha.MultiHeadAttentionBlock(32, 4, 0.0).eval()
+    block.load_state_dict(fastmha.load_cpp_state_dict(tmp_path / "out" / "attention.pt"), strict=True)
+    probe = fastmha.load_cpp_state_dict(tmp_path / "out" / "probe.pt")
+    with torch.no_grad():
+        torch.testing.assert_close(block(probe["input"], probe["input"], probe["input"], None), probe["output"])
+
+
+def test_python_state_dict_round_trips_through_cpp(tmp_path):
+    # Python's torch.save -> fastmha::load_state_dict -> fastmha::save_state_dict -> fastmha.load_cpp_state_dict.
+    exe = build_example("train", tmp_path / "build")
+    source = fastmha.MultiHeadAttentionBlock(32, 4, 0.0)
+    torch.save(dict(source.state_dict()), tmp_path / "from_python.pt")
+    result = subprocess.run([str(exe), str(tmp_path / "out"), "0", str(tmp_path / "from_python.pt")],
+                            capture_output=True, text=True)
+    assert "wrote" in result.stdout, result.stdout + result.stderr  # 0 steps: "did not learn" is expected
+    back = fastmha.load_cpp_state_dict(tmp_path / "out" / "attention.pt")
+    assert list(back) == list(source.state_dict())
+    for name, tensor in source.state_dict().items():
+        assert torch.equal(back[name], tensor)
+
+
+def test_ordered_dict_from_python_gets_a_clear_error_in_cpp(tmp_path):
+    exe = build_example("train", tmp_path / "build")
+    torch.save(fastmha.MultiHeadAttentionBlock(32, 4, 0.0).state_dict(), tmp_path / "ordered.pt")  # OrderedDict
+    result = subprocess.run([str(exe), str(tmp_path / "out"), "0", str(tmp_path / "ordered.pt")],
+                            capture_output=True, text=True)
+    assert result.returncode == 1
+    assert "save a plain dict: torch.save(dict(block.state_dict()), path)" in result.stderr
