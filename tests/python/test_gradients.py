@@ -109,3 +109,22 @@ def test_double_backward_raises_instead_of_silent_zeros(device, op):
     (grad,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)  # first order still works
     with pytest.raises(RuntimeError, match=r"derivative for fastmha::_(multi_head_)?attention_backward is not implemented"):
         torch.autograd.grad(grad.sum(), q)
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_fully_masked_row_gradient_in_float32(device, need_weights, is_causal):
+    # In fp32 a fully masked row's log-sum-exp (-1e9 + log Lk) cannot be used to recompute its uniform
+    # weights; the backward must still give the oracle's dV (found by the property tests).
+    q, k, v = (torch.randn(2, 2, n, 8, device=device, requires_grad=True) for n in (5, 7, 7))
+    mask = torch.ones(2, 1, 5, 7, dtype=torch.bool, device=device)
+    mask[0, :, 1] = False
+    mask[1, :, :, :2] = False  # with is_causal, rows 0 and 1 of batch 1 see only masked keys
+    out, _ = torch.ops.fastmha.attention(q, k, v, mask, 0.0, need_weights, is_causal)
+    effective = mask & torch.tril(torch.ones(5, 7, dtype=torch.bool, device=device)) if is_causal else mask
+    ref_out, _ = oracle_attention(q.double(), k.double(), v.double(), effective)
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    ref = torch.autograd.grad(ref_out, (q, k, v), grad.double())
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g.double(), r.double(), atol=1e-4, rtol=1e-4)

@@ -72,9 +72,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
   const auto acc = accumulation_type(query.scalar_type());
   const auto query_acc = query.to(acc);
   const auto key_acc = key.to(acc);
-  // Recompute the softmax from the saved log-sum-exp instead of keeping it from the forward.
   const auto masked = masked_positions(mask, is_causal, query, key);
-  auto probs = masked_scores(query_acc, key_acc, masked).sub_(logsumexp.unsqueeze(-1)).exp_();
+  // The softmax again (not exp(S - lse): in fp32, lse = -1e9 + log(Lk) of a fully masked row is too coarse).
+  auto probs = at::softmax(masked_scores(query_acc, key_acc, masked), -1);
   at::Tensor multipliers;
   if (dropout_p > 0.0) {
     multipliers = dropout.replay(probs.sizes(), dropout_p, probs.options(), rng_state);

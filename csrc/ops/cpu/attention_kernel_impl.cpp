@@ -244,6 +244,14 @@ void forward_impl(const AttentionInputs<T>& in, const AttentionForwardOutputs<T>
   });
 }
 
+// A row whose scores were all overwritten with -1e9 has uniform weights over all Lk keys (such a row is
+// computed at full width). Its log-sum-exp, -1e9 + log(Lk), is too coarse in fp32 to recompute them from,
+// so the backward recognizes the row instead (real scores never come near -5e8).
+template <typename T>
+bool masked_everywhere(T lse) {
+  return lse < T(kMaskedScore / 2);
+}
+
 // Zeroes dS where the scores were overwritten (mask == 0, or above the diagonal when causal).
 template <typename T>
 void zero_masked(const AttentionInputs<T>& in, const Head<T>& head, int64_t query, int64_t width, T* ds) {
@@ -272,6 +280,16 @@ void fused_backward_row(const AttentionInputs<T>& in, const AttentionBackwardTen
   const T lse = g.lse[row];
   const Vec lse_vec(lse), d_vec(d);
   const bool dropout = keep != nullptr;
+  if (masked_everywhere(lse)) {  // uniform P; and dS is zero where the scores were overwritten
+    const T prob = T(1) / T(width);
+    for (int64_t j = 0; j < width; ++j) {
+      const T k = dropout ? keep[j] : T(1);
+      p[j] = prob * k;
+      dw[j] = prob * (dw[j] * k - d);
+    }
+    zero_masked(in, head, query, width, dw);
+    return;
+  }
   int64_t j = 0;
   for (; j + Vec::size() <= width; j += Vec::size()) {
     const Vec prob = (Vec::loadu(p + j) - lse_vec).exp();
@@ -290,9 +308,6 @@ void fused_backward_row(const AttentionInputs<T>& in, const AttentionBackwardTen
     const T k = dropout ? keep[j] : T(1);
     p[j] = prob * k;
     dw[j] = prob * (dw[j] * k - d);
-  }
-  if (lse < T(kMaskedScore / 2)) {  // masked everywhere: uniform P, so the masked dS must be zeroed
-    zero_masked(in, head, query, width, dw);
   }
 }
 
@@ -335,7 +350,11 @@ void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<
             continue;
           }
           const Vec lse(g.lse[first_row + r]);
-          at::vec::map([lse](Vec s) { return (s - lse).exp(); }, p, p, width);
+          if (masked_everywhere(g.lse[first_row + r])) {
+            std::fill(p, p + width, T(1) / T(width));
+          } else {
+            at::vec::map([lse](Vec s) { return (s - lse).exp(); }, p, p, width);
+          }
           if (g.grad_weights) {
             const T* gw = g.grad_weights + (first_row + r) * ld;
             at::vec::map2([](Vec a, Vec b) { return a + b; }, dw, dw, gw, width);
