@@ -1,0 +1,59 @@
+"""DistributedDataParallel with gloo on 2 CPU processes (loopback): the gradients of a model built on the
+block equal a single process's on the same global batch."""
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import fastmha
+
+GLOBAL_BATCH, LENGTH, D_MODEL = 8, 10, 32
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.ModuleDict({"attention": fastmha.MultiHeadAttentionBlock(D_MODEL, 4, 0.0), "head": nn.Linear(D_MODEL, 1)})
+
+
+def loss_of(model, x, mask):
+    return model["head"](model["attention"](x, x, x, mask)).mean()
+
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(GLOBAL_BATCH, LENGTH, D_MODEL, generator=g)
+    mask = torch.rand(GLOBAL_BATCH, 1, 1, LENGTH, generator=g) > 0.2
+    return x, mask
+
+
+class Wrapped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = make_model()
+
+    def forward(self, x, mask):
+        return loss_of(self.inner, x, mask)
+
+
+def ddp_worker(rank, world, init_file, out_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    model = nn.parallel.DistributedDataParallel(Wrapped())
+    x, mask = data()
+    shard = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+    model(x[shard], mask[shard]).backward()  # DDP averages the gradients across ranks
+    if rank == 0:
+        torch.save({name: p.grad for name, p in model.module.named_parameters()}, out_file)
+    dist.destroy_process_group()
+
+
+def test_ddp_gloo_two_processes_matches_single_process(tmp_path):
+    out_file = str(tmp_path / "grads.pt")
+    mp.spawn(ddp_worker, args=(2, str(tmp_path / "init"), out_file), nprocs=2, join=True)
+    ddp_grads = torch.load(out_file)
+    single = Wrapped()
+    x, mask = data()
+    single(x, mask).backward()
+    for name, p in single.named_parameters():
+        torch.testing.assert_close(ddp_grads[name], p.grad, rtol=1e-5, atol=1e-6)
