@@ -65,6 +65,30 @@ class MultiHeadAttentionBlock(nn.Module):
         self.attention_scores = weights if self.need_weights else None
         return output
 
+    @torch.jit.export
+    def forward_step(
+        self, x: Tensor, cache: Optional[Tuple[Tensor, Tensor]] = None, mask: Optional[Tensor] = None
+    ) -> Tuple[Tensor, Tuple[Tensor, Tensor]]:
+        """Incremental decoding of a decoder's self-attention: ``x`` (batch, T_new, d_model) are new positions,
+        ``cache`` the (key, value) tensors (batch, h, T_past, d_k) returned by the previous step (None at the
+        start). Each new position attends the cached positions and the new ones up to itself, and where ``mask``
+        (broadcastable to (batch, h, T_new, T_past + T_new)) is not 0. Returns (output, new cache). Stepping
+        through a sequence gives the same outputs as ``forward`` with a causal mask, with O(T_new) projections
+        per step (except for a position whose every visible key is masked: the full computation spreads it
+        uniformly over all positions, future ones included, which a step cannot see). ``attention_scores`` is
+        left as it was.
+        """
+        key_cache: Optional[Tensor] = None
+        value_cache: Optional[Tensor] = None
+        if cache is not None:
+            key_cache, value_cache = cache
+        p = self.dropout.p if self.dropout.training else 0.0
+        output, keys, values = torch.ops.fastmha.multi_head_attention_step(
+            x, self.w_q.weight, self.w_k.weight, self.w_v.weight, self.w_o.weight, self.h,
+            key_cache, value_cache, mask, p,
+        )
+        return output, (keys, values)
+
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, h={self.h}, d_k={self.d_k}, need_weights={self.need_weights}, "
                 f"is_causal={self.is_causal}")

@@ -73,3 +73,11 @@ def test_opcheck_internal_block_ops(device, mask_kind, is_causal):
         OPS._multi_head_attention_backward.default,
         (torch.randn_like(out), torch.randn_like(weights), x, kv, kv, *ws, qp, kp, vp, ctx, lse, rng_state, 2, mask,
          0.0, is_causal))
+
+
+@pytest.mark.parametrize("with_cache", [False, True])
+def test_opcheck_multi_head_attention_step(device, with_cache):
+    x = torch.randn(2, 3, 8, device=device, dtype=torch.float64, requires_grad=True)
+    ws = [torch.randn(8, 8, device=device, dtype=torch.float64, requires_grad=True) for _ in range(4)]
+    cache = [torch.randn(2, 2, 5, 4, device=device, dtype=torch.float64) for _ in range(2)] if with_cache else [None, None]
+    torch.library.opcheck(OPS.multi_head_attention_step.default, (x, *ws, 2, *cache, None, 0.0))

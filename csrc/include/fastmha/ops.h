@@ -30,4 +30,15 @@ std::tuple<at::Tensor, at::Tensor> multi_head_attention(const at::Tensor& query,
                                                         double dropout_p = 0.0, bool need_weights = true,
                                                         bool is_causal = false);
 
+// Incremental decoding (a decoder's self-attention): x (batch, T_new, d_model) are new positions; the caches
+// (batch, num_heads, T_past, d_k) hold the earlier positions' projected keys and values (none on the first
+// step). New position i attends keys up to its own (causal, aligned to the end of the cache) and where mask
+// (broadcastable to (batch, num_heads, T_new, T_past + T_new)) is not 0. Returns (output (batch, T_new,
+// d_model), key_cache, value_cache) with the new positions appended.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> multi_head_attention_step(
+    const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o,
+    int64_t num_heads, const std::optional<at::Tensor>& key_cache = std::nullopt,
+    const std::optional<at::Tensor>& value_cache = std::nullopt, const std::optional<at::Tensor>& mask = std::nullopt,
+    double dropout_p = 0.0);
+
 }  // namespace fastmha
