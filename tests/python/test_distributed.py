@@ -1,5 +1,5 @@
-"""DistributedDataParallel with gloo on 2 CPU processes (loopback): the gradients of a model built on the
-block equal a single process's on the same global batch."""
+"""DistributedDataParallel and FSDP2 (fully_shard) with gloo on 2 CPU processes (loopback): the gradients
+of a model built on the block equal a single process's on the same global batch."""
 
 import torch
 import torch.distributed as dist
@@ -57,3 +57,33 @@ def test_ddp_gloo_two_processes_matches_single_process(tmp_path):
     single(x, mask).backward()
     for name, p in single.named_parameters():
         torch.testing.assert_close(ddp_grads[name], p.grad, rtol=1e-5, atol=1e-6)
+
+
+def fsdp_worker(rank, world, init_file, out_file):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world,))
+    model = Wrapped()
+    fully_shard(model.inner["attention"], mesh=mesh)  # FSDP2: the block's weights are sharded across ranks
+    fully_shard(model, mesh=mesh)
+    x, mask = data()
+    shard = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+    model(x[shard], mask[shard]).backward()
+    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    if rank == 0:
+        torch.save(grads, out_file)
+    dist.destroy_process_group()
+
+
+def test_fsdp2_fully_shard_two_processes_matches_single_process(tmp_path):
+    out_file = str(tmp_path / "grads.pt")
+    mp.spawn(fsdp_worker, args=(2, str(tmp_path / "init"), out_file), nprocs=2, join=True)
+    sharded_grads = torch.load(out_file)
+    single = Wrapped()
+    x, mask = data()
+    single(x, mask).backward()
+    for name, p in single.named_parameters():
+        torch.testing.assert_close(sharded_grads[name], p.grad, rtol=1e-5, atol=1e-6)
