@@ -1,5 +1,6 @@
 """torch.compile (fullgraph, dynamic shapes, forward and backward) and torch.export round trips."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -16,10 +17,11 @@ class Layer(nn.Module):
         return self.norm(x + self.attention(x, x, x, mask))
 
 
-def test_compile_fullgraph_dynamic_matches_eager_forward_and_backward():
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])  # CUDA graphs in the latter apply on GPUs
+def test_compile_fullgraph_dynamic_matches_eager_forward_and_backward(mode):
     torch.manual_seed(0)
     model = Layer(need_weights=True, is_causal=True)
-    compiled = torch.compile(model, fullgraph=True, dynamic=True)  # a graph break would raise
+    compiled = torch.compile(model, fullgraph=True, dynamic=True, mode=mode)  # a graph break would raise
     for length in (7, 12, 17):  # new lengths reuse the dynamic graph
         x = torch.randn(2, length, 32, requires_grad=True)
         mask = torch.rand(2, 1, 1, length) > 0.2

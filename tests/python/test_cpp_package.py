@@ -89,3 +89,28 @@ def test_ordered_dict_from_python_gets_a_clear_error_in_cpp(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode == 1
     assert "save a plain dict: torch.save(dict(block.state_dict()), path)" in result.stderr
+
+
+def test_aotinductor_package_runs_from_cpp(tmp_path):
+    # torch.export -> AOTInductor package -> a C++ program (no Python) with the fastmha library linked.
+    torch.manual_seed(0)
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = fastmha.MultiHeadAttentionBlock(32, 4, 0.0, need_weights=False)
+
+        def forward(self, x, mask):
+            return self.attention(x, x, x, mask)
+
+    model = Layer().eval()
+    x, mask = torch.randn(2, 7, 32), torch.rand(2, 1, 1, 7) > 0.2
+    package = torch._inductor.aoti_compile_and_package(torch.export.export(model, (x, mask)),
+                                                       package_path=str(tmp_path / "layer.pt2"))
+    with torch.no_grad():
+        expected = model(x, mask)
+    torch.jit.script(Tensors(x=x, mask=mask, expected=expected)).save(str(tmp_path / "data.pt"))
+    exe = build_example("aoti_run", tmp_path / "build")
+    result = subprocess.run([str(exe), package, str(tmp_path / "data.pt")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "max |C++ - Python|" in result.stdout
