@@ -5,9 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
-# 1. Debian packages: Catch2 (C++ tests) and ccache (fast rebuilds). Optional where apt is unavailable.
+# 1. Debian packages: Catch2 (C++ tests), ccache (fast rebuilds), clang with its runtime (the libFuzzer
+#    target). Optional where apt is unavailable.
 missing=()
-for package in catch2 ccache; do
+for package in catch2 ccache clang libclang-rt-14-dev; do
   dpkg -s "$package" >/dev/null 2>&1 || missing+=("$package")
 done
 if ((${#missing[@]})); then
