@@ -97,3 +97,20 @@ def test_repeated_forward_backward_does_not_grow_memory():
         step()
     gc.collect()
     assert rss_kib() - before < 20 * 1024, "RSS grew by more than 20 MiB over 1000 calls"
+
+
+def test_rejected_calls_leave_no_memory_behind():
+    q = torch.randn(2, 4, 64, 16)
+    bad_mask = torch.ones(3, 64)  # does not broadcast: rejected after the inputs are read
+    for _ in range(100):
+        with pytest.raises(RuntimeError):
+            torch.ops.fastmha.attention(q, q, q, bad_mask)
+    gc.collect()
+    before = rss_kib()
+    for _ in range(2000):
+        with pytest.raises(RuntimeError):
+            torch.ops.fastmha.attention(q, q, q, bad_mask)
+        with pytest.raises(RuntimeError):
+            torch.ops.fastmha.attention(q, q, q, None, 1.5)
+    gc.collect()
+    assert rss_kib() - before < 10 * 1024, "RSS grew by more than 10 MiB over 4000 rejected calls"
