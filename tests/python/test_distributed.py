@@ -46,54 +46,56 @@ class Wrapped(nn.Module):
         return loss_of(self.inner, x, mask)
 
 
-def ddp_worker(rank, world, init_file, out_file):
+def start(rank, world, init_file):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    model = nn.parallel.DistributedDataParallel(Wrapped())
+
+
+def backward_on_shard(model, rank, world):
     x, mask = data()
     shard = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
-    model(x[shard], mask[shard]).backward()  # DDP averages the gradients across ranks
+    model(x[shard], mask[shard]).backward()
+
+
+def ddp_worker(rank, world, init_file, out_file):
+    start(rank, world, init_file)
+    model = nn.parallel.DistributedDataParallel(Wrapped())
+    backward_on_shard(model, rank, world)  # DDP averages the gradients across ranks
     if rank == 0:
         torch.save({name: p.grad for name, p in model.module.named_parameters()}, out_file)
     finish()
-
-
-def test_ddp_gloo_two_processes_matches_single_process(tmp_path):
-    out_file = str(tmp_path / "grads.pt")
-    mp.spawn(ddp_worker, args=(2, str(tmp_path / "init"), out_file), nprocs=2, join=True)
-    ddp_grads = torch.load(out_file)
-    single = Wrapped()
-    x, mask = data()
-    single(x, mask).backward()
-    for name, p in single.named_parameters():
-        torch.testing.assert_close(ddp_grads[name], p.grad, rtol=1e-5, atol=1e-6)
 
 
 def fsdp_worker(rank, world, init_file, out_file):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    torch.set_num_threads(1)
+    start(rank, world, init_file)
     mesh = init_device_mesh("cpu", (world,))
     model = Wrapped()
     fully_shard(model.inner["attention"], mesh=mesh)  # FSDP2: the block's weights are sharded across ranks
     fully_shard(model, mesh=mesh)
-    x, mask = data()
-    shard = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
-    model(x[shard], mask[shard]).backward()
+    backward_on_shard(model, rank, world)
     grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
     if rank == 0:
         torch.save(grads, out_file)
     finish()
 
 
-def test_fsdp2_fully_shard_two_processes_matches_single_process(tmp_path):
+def assert_matches_single_process(worker, tmp_path):
     out_file = str(tmp_path / "grads.pt")
-    mp.spawn(fsdp_worker, args=(2, str(tmp_path / "init"), out_file), nprocs=2, join=True)
-    sharded_grads = torch.load(out_file)
+    mp.spawn(worker, args=(2, str(tmp_path / "init"), out_file), nprocs=2, join=True)
+    distributed_grads = torch.load(out_file)
     single = Wrapped()
     x, mask = data()
     single(x, mask).backward()
     for name, p in single.named_parameters():
-        torch.testing.assert_close(sharded_grads[name], p.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(distributed_grads[name], p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_ddp_gloo_two_processes_matches_single_process(tmp_path):
+    assert_matches_single_process(ddp_worker, tmp_path)
+
+
+def test_fsdp2_fully_shard_two_processes_matches_single_process(tmp_path):
+    assert_matches_single_process(fsdp_worker, tmp_path)
