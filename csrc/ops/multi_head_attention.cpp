@@ -9,6 +9,7 @@
 
 #include "ops/attention_ops.h"
 #include "ops/checks.h"
+#include "ops/heads.h"
 
 namespace fastmha {
 
@@ -54,22 +55,6 @@ MultiHeadAttentionBackwardResult multi_head_attention_backward(
 }  // namespace detail
 
 namespace {
-
-// (batch, L, d_model) -> (batch, h, L, d_k), a view. Symbolic sizes keep torch.compile's dynamic shapes.
-at::Tensor split_heads(const at::Tensor& x, int64_t num_heads) {
-  const auto batch = x.sym_size(0);
-  const auto length = x.sym_size(1);
-  const auto d_k = x.sym_size(2) / num_heads;
-  return x.view_symint({batch, length, num_heads, d_k}).transpose(1, 2);
-}
-
-// (batch, h, L, d_k) -> (batch, L, h * d_k), a new contiguous tensor.
-at::Tensor merge_heads(const at::Tensor& x) {
-  const auto batch = x.sym_size(0);
-  const auto length = x.sym_size(2);
-  const auto d_model = x.sym_size(1) * x.sym_size(3);
-  return x.transpose(1, 2).reshape_symint({batch, length, d_model}).contiguous();
-}
 
 // Flattens (batch, L, d) to (batch * L, d) for the weight gradients.
 at::Tensor rows(const at::Tensor& x) { return x.reshape_symint({x.sym_size(0) * x.sym_size(1), x.sym_size(2)}); }

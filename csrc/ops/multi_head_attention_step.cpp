@@ -10,13 +10,10 @@
 #include <fastmha/ops.h>
 
 #include "ops/checks.h"
+#include "ops/heads.h"
 
 namespace fastmha {
 namespace {
-
-at::Tensor split_heads(const at::Tensor& x, int64_t num_heads) {
-  return x.view_symint({x.sym_size(0), x.sym_size(1), num_heads, x.sym_size(2) / num_heads}).transpose(1, 2);
-}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> multi_head_attention_step_impl(
     const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o,
@@ -48,7 +45,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> multi_head_attention_step_impl(
   auto combined = mask.has_value() ? at::logical_and(mask->ne(0), visible) : visible;
   auto [heads_out, weights] = attention(split_heads(at::linear(x, w_q), num_heads), keys, values, combined, dropout_p,
                                         /*need_weights=*/false, /*is_causal=*/false);
-  auto merged = heads_out.transpose(1, 2).reshape_symint({x.sym_size(0), len_new, x.sym_size(2)});
+  auto merged = merge_heads(heads_out);
   return {at::linear(merged, w_o), keys, values};
 }
 

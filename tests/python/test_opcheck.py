@@ -11,12 +11,17 @@ import fastmha  # noqa: F401
 OPS = torch.ops.fastmha
 
 
+def make_mask(kind, device):
+    """Masks for queries of length 5 over keys of length 6: none, a bool padding mask, a float 2-D mask."""
+    return {"none": None,
+            "bool": torch.rand(2, 1, 1, 6, device=device) > 0.3,
+            "float-2d": (torch.rand(5, 6, device=device) > 0.3).double()}[kind]
+
+
 def core_args(device, requires_grad, mask_kind):
     q, k, v = (torch.randn(2, 3, n, 4, device=device, dtype=torch.float64, requires_grad=requires_grad)
                for n in (5, 6, 6))
-    mask = {"none": None,
-            "bool": torch.rand(2, 1, 1, 6, device=device) > 0.3,
-            "float-2d": (torch.rand(5, 6, device=device) > 0.3).double()}[mask_kind]
+    mask = make_mask(mask_kind, device)
     return q, k, v, mask
 
 
@@ -24,9 +29,7 @@ def block_args(device, requires_grad, mask_kind):
     x = torch.randn(2, 5, 8, device=device, dtype=torch.float64, requires_grad=requires_grad)
     kv = torch.randn(2, 6, 8, device=device, dtype=torch.float64, requires_grad=requires_grad)
     ws = [torch.randn(8, 8, device=device, dtype=torch.float64, requires_grad=requires_grad) for _ in range(4)]
-    mask = {"none": None,
-            "bool": torch.rand(2, 1, 1, 6, device=device) > 0.3,
-            "float-2d": (torch.rand(5, 6, device=device) > 0.3).double()}[mask_kind]
+    mask = make_mask(mask_kind, device)
     return x, kv, ws, mask
 
 

@@ -78,7 +78,7 @@ at::Tensor draw_rng_state() {
   return state;
 }
 
-template <typename T, typename Args, typename Results>
+template <typename Args, typename Results>
 void run_forward(const Args& in, const Results& out) {
   switch (cpu::capability()) {
 #ifdef FASTMHA_CPU_X86
@@ -92,7 +92,7 @@ void run_forward(const Args& in, const Results& out) {
   }
 }
 
-template <typename T, typename Args, typename Grads>
+template <typename Args, typename Grads>
 void run_backward(const Args& in, const Grads& grads) {
   switch (cpu::capability()) {
 #ifdef FASTMHA_CPU_X86
@@ -126,7 +126,7 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
     const cpu::AttentionForwardOutputs<scalar_t> out{output.data_ptr<scalar_t>(),
                                                      need_weights ? weights.data_ptr<scalar_t>() : nullptr,
                                                      logsumexp.data_ptr<scalar_t>()};
-    run_forward<scalar_t>(in, out);
+    run_forward(in, out);
   });
   return {output.to(dtype), weights.to(dtype), logsumexp, rng_state};
 }
@@ -169,7 +169,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
         lse.const_data_ptr<scalar_t>(),      use_output ? out.const_data_ptr<scalar_t>() : nullptr,
         grad_q.data_ptr<scalar_t>(),         grad_k_partial.data_ptr<scalar_t>(),
         grad_v_partial.data_ptr<scalar_t>(), splits};
-    run_backward<scalar_t>(in, grads);
+    run_backward(in, grads);
   });
   auto reduce = [&](const at::Tensor& partial, int64_t d, const at::Tensor& like) {
     auto summed = splits == 1 ? partial.select(1, 0) : partial.sum(1);
