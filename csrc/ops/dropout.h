@@ -19,6 +19,8 @@ struct DropoutKernels {
 
 #ifdef FASTMHA_WITH_CUDA
 DropoutKernels cuda_dropout_kernels();
+// A fresh Philox (seed, offset) from the default CUDA generator of `device`, as int64[2] on that device.
+at::Tensor draw_cuda_rng_state(const at::Device& device);
 #endif
 
 }  // namespace fastmha

@@ -10,6 +10,7 @@
 #include <mutex>
 
 #include "ops/attention_ops.h"
+#include "ops/broadcast_mask.h"
 #include "ops/checks.h"
 #include "ops/cpu/attention_params.h"
 #include "ops/cpu/cpu_capability.h"
@@ -54,14 +55,6 @@ cpu::AttentionInputs<T> kernel_inputs(const at::Tensor& q, const at::Tensor& k, 
   in.seed = seed;
   in.offset = offset;
   return in;
-}
-
-// A bool view of the mask broadcast to the scores through strides: only the user's (small) mask is converted.
-at::Tensor broadcast_mask(const std::optional<at::Tensor>& mask, const at::Tensor& q, const at::Tensor& k) {
-  if (!mask.has_value()) {
-    return {};
-  }
-  return mask->to(at::kBool).expand({q.size(0), q.size(1), q.size(2), k.size(2)});
 }
 
 // (seed, offset) of a fresh Philox stream from ATen's default CPU generator, under its lock.

@@ -1,21 +1,140 @@
-// CUDA kernels of the attention core (for now the ATen implementation with our CUDA dropout kernel; fused
-// kernels replace it). Every launch happens on the inputs' device and its current stream.
+// CUDA kernels of the attention core. Weights not kept: the flash kernels (ops/cuda/flash/), no Lq x Lk
+// buffer. Weights kept: scores from cuBLAS in the accumulation dtype, then one fused scale + mask + softmax +
+// dropout kernel per row. Head sizes above 256 and empty inputs take the ATen implementation, as does
+// everything when FASTMHA_CUDA_KERNELS=aten (a comparison and safety switch). Every launch runs on the inputs'
+// device and its current stream.
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <cstdlib>
+#include <cstring>
+
 #include "ops/aten/attention_aten.h"
+#include "ops/broadcast_mask.h"
 #include "ops/checks.h"
+#include "ops/cuda/attention_kernels.h"
+#include "ops/cuda/kernel_params_builder.h"
+#include "ops/cuda/scores_gemm.h"
 
 namespace fastmha {
 namespace {
+
+using cuda_kernels::flash_params;
+using cuda_kernels::rows_params;
+using cuda_kernels::unit_stride_rows;
+
+bool aten_kernels_requested() {
+  static const bool requested = [] {
+    const char* value = std::getenv("FASTMHA_CUDA_KERNELS");
+    return value != nullptr && std::strcmp(value, "aten") == 0;
+  }();
+  return requested;
+}
+
+// Our kernels take every non-empty call with head sizes up to 256.
+bool fused_kernels_apply(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value) {
+  return !aten_kernels_requested() && query.numel() > 0 && key.numel() > 0 && value.numel() > 0 &&
+         query.size(3) <= cuda_kernels::kMaxFlashHeadDim && value.size(3) <= cuda_kernels::kMaxFlashHeadDim;
+}
 
 detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query, const at::Tensor& key,
                                                         const at::Tensor& value, const std::optional<at::Tensor>& mask,
                                                         double dropout_p, bool need_weights, bool is_causal) {
   check_attention_inputs(query, key, value, mask, dropout_p);
   c10::cuda::CUDAGuard guard(query.device());
-  return aten_impl::attention_forward(query, key, value, mask, dropout_p, need_weights, is_causal,
-                                      cuda_dropout_kernels());
+  if (!fused_kernels_apply(query, key, value)) {
+    return aten_impl::attention_forward(query, key, value, mask, dropout_p, need_weights, is_causal,
+                                        cuda_dropout_kernels());
+  }
+  const auto dtype = query.scalar_type();
+  const auto acc_options = query.options().dtype(at::toOpMathType(dtype));
+  const int64_t batch = query.size(0), heads = query.size(1), len_q = query.size(2), len_k = key.size(2);
+  const auto q = unit_stride_rows(query), k = unit_stride_rows(key), v = unit_stride_rows(value);
+  const auto mask_view = broadcast_mask(mask, query, key);
+  const auto rng_state =
+      dropout_p > 0 ? draw_cuda_rng_state(query.device()) : at::zeros({2}, query.options().dtype(at::kLong));
+  auto logsumexp = at::empty({batch, heads, len_q}, acc_options);
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  if (!need_weights) {
+    auto output = at::empty({batch, heads, len_q, value.size(3)}, query.options());
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "fastmha_cuda_flash_forward", [&] {
+      using Acc = at::opmath_type<scalar_t>;
+      auto p = flash_params<scalar_t, Acc>(q, k, v, mask_view, dropout_p, is_causal, rng_state);
+      p.out = output.data_ptr<scalar_t>();
+      p.lse = logsumexp.data_ptr<Acc>();
+      cuda_kernels::launch_flash_forward(p, stream);
+    });
+    return {output, at::empty({0}, query.options()), logsumexp, rng_state};
+  }
+  const auto scores = cuda_kernels::scores_gemm(q, k);
+  auto weights = at::empty({batch, heads, len_q, len_k}, query.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "fastmha_cuda_softmax_forward", [&] {
+    using Acc = at::opmath_type<scalar_t>;
+    auto p = rows_params<scalar_t, Acc>(q, k, scores, mask_view, dropout_p, is_causal, rng_state);
+    p.weights = weights.data_ptr<scalar_t>();
+    p.lse = logsumexp.data_ptr<Acc>();
+    cuda_kernels::launch_softmax_forward(p, stream);
+  });
+  return {at::matmul(weights, v), weights, logsumexp, rng_state};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(const at::Tensor& grad_output, const at::Tensor& query,
+                                                              const at::Tensor& key, const at::Tensor& value,
+                                                              const at::Tensor& mask_view, const at::Tensor& output,
+                                                              const at::Tensor& logsumexp, const at::Tensor& rng_state,
+                                                              double dropout_p, bool is_causal) {
+  const auto dtype = query.scalar_type();
+  const auto acc = at::toOpMathType(dtype);
+  const auto q = unit_stride_rows(query), k = unit_stride_rows(key), v = unit_stride_rows(value);
+  const auto grad_out = grad_output.to(dtype).contiguous();
+  // delta_i = sum_c dO_ic O_ic = sum_j dP_ij P_ij: the softmax backward's row term, dropout included.
+  const auto delta = (grad_out.to(acc) * output.to(acc)).sum(-1).contiguous();
+  const auto lse = logsumexp.to(acc).contiguous();
+  auto grad_q_acc = at::zeros(query.sizes(), query.options().dtype(acc));
+  auto grad_k = at::empty(key.sizes(), key.options());
+  auto grad_v = at::empty(value.sizes(), value.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "fastmha_cuda_flash_backward", [&] {
+    using Acc = at::opmath_type<scalar_t>;
+    auto p = flash_params<scalar_t, Acc>(q, k, v, mask_view, dropout_p, is_causal, rng_state);
+    p.saved_lse = lse.const_data_ptr<Acc>();
+    p.grad_out = grad_out.const_data_ptr<scalar_t>();
+    p.delta = delta.const_data_ptr<Acc>();
+    p.grad_q_acc = grad_q_acc.data_ptr<Acc>();
+    p.grad_k = grad_k.data_ptr<scalar_t>();
+    p.grad_v = grad_v.data_ptr<scalar_t>();
+    cuda_kernels::launch_flash_backward(p, at::cuda::getCurrentCUDAStream());
+  });
+  return {grad_q_acc.to(dtype), grad_k, grad_v};
+}
+
+// With a gradient on the weights themselves: dW = dO V^T + grad_weights row by row, then GEMMs in the dtype.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> weights_backward(const at::Tensor& grad_output,
+                                                                const at::Tensor& grad_weights, const at::Tensor& query,
+                                                                const at::Tensor& key, const at::Tensor& value,
+                                                                const at::Tensor& mask_view,
+                                                                const at::Tensor& rng_state, double dropout_p,
+                                                                bool is_causal) {
+  const auto dtype = query.scalar_type();
+  const auto q = unit_stride_rows(query), k = unit_stride_rows(key), v = unit_stride_rows(value);
+  const auto grad_out = grad_output.to(dtype);
+  const auto scores = cuda_kernels::scores_gemm(q, k);
+  auto grad_w = cuda_kernels::scores_gemm(grad_out, v);
+  grad_w.add_(grad_weights);
+  auto weights = at::empty(scores.sizes(), query.options());
+  auto grad_scores = at::empty(scores.sizes(), query.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "fastmha_cuda_softmax_backward", [&] {
+    using Acc = at::opmath_type<scalar_t>;
+    auto p = rows_params<scalar_t, Acc>(q, k, scores, mask_view, dropout_p, is_causal, rng_state);
+    p.grad_weights = grad_w.const_data_ptr<Acc>();
+    p.weights = weights.data_ptr<scalar_t>();
+    p.grad_scores = grad_scores.data_ptr<scalar_t>();
+    cuda_kernels::launch_softmax_backward(p, at::cuda::getCurrentCUDAStream());
+  });
+  return {at::matmul(grad_scores, k), at::matmul(grad_scores.transpose(-2, -1), q),
+          at::matmul(weights.transpose(-2, -1), grad_out)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
@@ -23,8 +142,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
     const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& mask, const at::Tensor& output,
     const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p, bool is_causal) {
   c10::cuda::CUDAGuard guard(query.device());
-  return aten_impl::attention_backward(grad_output, grad_weights, query, key, value, mask, output, logsumexp, rng_state,
-                                       dropout_p, is_causal, cuda_dropout_kernels());
+  if (!fused_kernels_apply(query, key, value)) {
+    return aten_impl::attention_backward(grad_output, grad_weights, query, key, value, mask, output, logsumexp,
+                                         rng_state, dropout_p, is_causal, cuda_dropout_kernels());
+  }
+  const auto mask_view = broadcast_mask(mask, query, key);
+  const auto state = rng_state.to(query.device(), at::kLong).contiguous();
+  if (grad_weights.has_value() && grad_weights->defined()) {
+    return weights_backward(grad_output, *grad_weights, query, key, value, mask_view, state, dropout_p, is_causal);
+  }
+  return flash_backward(grad_output, query, key, value, mask_view, output, logsumexp, state, dropout_p, is_causal);
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
-// CUDA dropout multipliers from Philox. The (seed, offset) come from ATen's default CUDA generator as a
-// PhiloxCudaState, unpacked on the device so the launch is safe under CUDA graph capture; the first thread
-// records them in rng_state for the backward's replay.
+// CUDA dropout randomness. The (seed, offset) come from ATen's default CUDA generator as a PhiloxCudaState,
+// unpacked on the device so the launch is safe under CUDA graph capture, into an int64[2] rng_state that the
+// fused kernels and the backward read. Multipliers for the ATen path are regenerated from it.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -18,18 +18,11 @@ namespace {
 
 constexpr int kThreads = 256;
 
-template <typename scalar_t>
-__global__ void draw_multipliers_kernel(scalar_t* out, int64_t n, float p, scalar_t scale,
-                                        at::PhiloxCudaState philox_state, int64_t* rng_state) {
+// Unpacks the generator's state on the device (a graph replay sees the offset of its own run) and records it.
+__global__ void record_rng_state_kernel(at::PhiloxCudaState philox_state, int64_t* rng_state) {
   const auto [seed, offset] = at::cuda::philox::unpack(philox_state);
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (first == 0) {
-    rng_state[0] = static_cast<int64_t>(seed);
-    rng_state[1] = static_cast<int64_t>(offset);
-  }
-  for (int64_t i = first; i < n; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    out[i] = philox::keep_scale<scalar_t>(seed, offset, static_cast<uint64_t>(i), p, scale);
-  }
+  rng_state[0] = static_cast<int64_t>(seed);
+  rng_state[1] = static_cast<int64_t>(offset);
 }
 
 template <typename scalar_t>
@@ -47,28 +40,6 @@ unsigned int grid_for(int64_t n) {
   return static_cast<unsigned int>(std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads, max_blocks)));
 }
 
-std::pair<at::Tensor, at::Tensor> draw(at::IntArrayRef sizes, double p, const at::TensorOptions& options) {
-  c10::cuda::CUDAGuard guard(options.device());
-  auto out = at::empty(sizes, options);
-  auto rng_state = at::empty({2}, options.dtype(at::kLong));
-  at::PhiloxCudaState philox_state;
-  {
-    auto* gen =
-        at::get_generator_or_default<at::CUDAGeneratorImpl>(std::nullopt, at::cuda::detail::getDefaultCUDAGenerator());
-    std::lock_guard<std::mutex> lock(gen->mutex_);
-    // Each element uses its own counter under one offset; the offset only has to move past this call.
-    philox_state = gen->philox_cuda_state(4);
-  }
-  const int64_t n = out.numel();
-  AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "fastmha_cuda_dropout_draw", [&] {
-    draw_multipliers_kernel<scalar_t><<<grid_for(n), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-        out.data_ptr<scalar_t>(), n, static_cast<float>(p), static_cast<scalar_t>(1.0 / (1.0 - p)), philox_state,
-        rng_state.data_ptr<int64_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
-  return {out, rng_state};
-}
-
 at::Tensor replay(at::IntArrayRef sizes, double p, const at::TensorOptions& options, const at::Tensor& rng_state) {
   c10::cuda::CUDAGuard guard(options.device());
   auto out = at::empty(sizes, options);
@@ -83,7 +54,28 @@ at::Tensor replay(at::IntArrayRef sizes, double p, const at::TensorOptions& opti
   return out;
 }
 
+std::pair<at::Tensor, at::Tensor> draw(at::IntArrayRef sizes, double p, const at::TensorOptions& options) {
+  auto rng_state = draw_cuda_rng_state(options.device());
+  return {replay(sizes, p, options, rng_state), rng_state};
+}
+
 }  // namespace
+
+at::Tensor draw_cuda_rng_state(const at::Device& device) {
+  c10::cuda::CUDAGuard guard(device);
+  auto rng_state = at::empty({2}, at::TensorOptions().device(device).dtype(at::kLong));
+  at::PhiloxCudaState philox_state;
+  {
+    auto* gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
+        std::nullopt, at::cuda::detail::getDefaultCUDAGenerator(device.index()));
+    std::lock_guard<std::mutex> lock(gen->mutex_);
+    // Each element uses its own counter under one offset; the offset only has to move past this call.
+    philox_state = gen->philox_cuda_state(4);
+  }
+  record_rng_state_kernel<<<1, 1, 0, at::cuda::getCurrentCUDAStream()>>>(philox_state, rng_state.data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return rng_state;
+}
 
 DropoutKernels cuda_dropout_kernels() { return {&draw, &replay}; }
 

@@ -1,0 +1,19 @@
+// The user's mask as the fused kernels read it: bool (true = attend), broadcast to the scores (batch, h, Lq,
+// Lk) through zero strides, so only the user's (often small) mask is converted, never the full score shape.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace fastmha {
+
+inline at::Tensor broadcast_mask(const std::optional<at::Tensor>& mask, const at::Tensor& query,
+                                 const at::Tensor& key) {
+  if (!mask.has_value()) {
+    return {};
+  }
+  return mask->to(at::kBool).expand({query.size(0), query.size(1), query.size(2), key.size(2)});
+}
+
+}  // namespace fastmha

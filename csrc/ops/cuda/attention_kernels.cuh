@@ -1,0 +1,129 @@
+// The __global__ wrappers around the kernel bodies and their launches; included once per dtype by
+// attention_kernels_<dtype>.cu so the instantiations compile in parallel and rebuild separately.
+#pragma once
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/util/Exception.h>
+
+#include <climits>
+
+#include "ops/cuda/attention_kernels.h"
+#include "ops/cuda/device_threads.cuh"
+#include "ops/cuda/flash/flash_backward.h"
+#include "ops/cuda/flash/flash_forward.h"
+#include "ops/cuda/flash/softmax_rows.h"
+
+namespace fastmha::cuda_kernels {
+
+constexpr int kFlashThreads = 128;
+constexpr int kRowThreads = 256;
+
+template <typename T, typename Acc, int DP>
+__global__ void __launch_bounds__(kFlashThreads) flash_forward_kernel(AttentionParams<T, Acc> p, int query_blocks) {
+  extern __shared__ __align__(128) char smem[];
+  const int64_t block = blockIdx.x;
+  flash_forward_block<T, Acc, DP>(DeviceThreads<kFlashThreads>{}, p, smem, block / query_blocks,
+                                  static_cast<int>(block % query_blocks));
+}
+
+template <typename T, typename Acc, int DP>
+__global__ void __launch_bounds__(kFlashThreads) flash_backward_kernel(AttentionParams<T, Acc> p, int key_blocks) {
+  extern __shared__ __align__(128) char smem[];
+  const int64_t block = blockIdx.x;
+  flash_backward_block<T, Acc, DP>(DeviceThreads<kFlashThreads>{}, p, smem, block / key_blocks,
+                                   static_cast<int>(block % key_blocks));
+}
+
+template <typename T, typename Acc>
+__global__ void __launch_bounds__(kRowThreads) softmax_forward_kernel(SoftmaxRowsParams<T, Acc> p) {
+  __shared__ Acc scratch[kRowThreads];
+  softmax_forward_row<T, Acc>(DeviceThreads<kRowThreads>{}, p, scratch, blockIdx.x);
+}
+
+template <typename T, typename Acc>
+__global__ void __launch_bounds__(kRowThreads) softmax_backward_kernel(SoftmaxRowsParams<T, Acc> p) {
+  __shared__ Acc scratch[kRowThreads];
+  softmax_backward_row<T, Acc>(DeviceThreads<kRowThreads>{}, p, scratch, blockIdx.x);
+}
+
+inline unsigned int grid_size(int64_t blocks, const char* what) {
+  TORCH_CHECK(blocks <= INT_MAX, "fastmha: ", what, " needs ", blocks, " CUDA blocks, more than one launch allows (",
+              INT_MAX, ")");
+  return static_cast<unsigned int>(blocks);
+}
+
+// Opts a kernel in to its dynamic shared memory (above the 48 KiB default) and launches it.
+template <typename Kernel, typename Params>
+void launch_tiled(Kernel kernel, size_t shared_bytes, int64_t blocks, int per_head, const Params& p,
+                  cudaStream_t stream, const char* what) {
+  if (blocks == 0) {
+    return;
+  }
+  C10_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes)));
+  kernel<<<grid_size(blocks, what), kFlashThreads, shared_bytes, stream>>>(p, per_head);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int DP, typename T, typename Acc>
+void flash_forward_for(const AttentionParams<T, Acc>& p, cudaStream_t stream) {
+  using Tiles = ForwardTiles<T, Acc, DP>;
+  const int query_blocks = (p.len_q + Tiles::kRows - 1) / Tiles::kRows;
+  launch_tiled(flash_forward_kernel<T, Acc, DP>, Tiles::kSharedBytes, p.batch_heads * query_blocks, query_blocks, p,
+               stream, "the attention forward");
+}
+
+template <int DP, typename T, typename Acc>
+void flash_backward_for(const AttentionParams<T, Acc>& p, cudaStream_t stream) {
+  using Tiles = BackwardTiles<T, Acc, DP>;
+  const int key_blocks = (p.len_k + Tiles::kCols - 1) / Tiles::kCols;
+  launch_tiled(flash_backward_kernel<T, Acc, DP>, Tiles::kSharedBytes, p.batch_heads * key_blocks, key_blocks, p,
+               stream, "the attention backward");
+}
+
+template <typename T, typename Acc>
+int flash_head_dim(const AttentionParams<T, Acc>& p) {
+  const int d = p.d_k > p.d_v ? p.d_k : p.d_v;
+  TORCH_CHECK(d <= kMaxFlashHeadDim, "fastmha: the CUDA flash kernels take head sizes up to ", kMaxFlashHeadDim,
+              ", got d_k ", p.d_k, " and d_v ", p.d_v);
+  return d;
+}
+
+template <typename T, typename Acc>
+void launch_flash_forward(const AttentionParams<T, Acc>& p, cudaStream_t stream) {
+  with_padded_head_dim(flash_head_dim(p), [&](auto dp) { flash_forward_for<decltype(dp)::value>(p, stream); });
+}
+
+template <typename T, typename Acc>
+void launch_flash_backward(const AttentionParams<T, Acc>& p, cudaStream_t stream) {
+  with_padded_head_dim(flash_head_dim(p), [&](auto dp) { flash_backward_for<decltype(dp)::value>(p, stream); });
+}
+
+template <typename T, typename Acc>
+void launch_softmax_forward(const SoftmaxRowsParams<T, Acc>& p, cudaStream_t stream) {
+  if (p.rows == 0) {
+    return;
+  }
+  softmax_forward_kernel<T, Acc><<<grid_size(p.rows, "the attention softmax"), kRowThreads, 0, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T, typename Acc>
+void launch_softmax_backward(const SoftmaxRowsParams<T, Acc>& p, cudaStream_t stream) {
+  if (p.rows == 0) {
+    return;
+  }
+  softmax_backward_kernel<T, Acc><<<grid_size(p.rows, "the attention softmax backward"), kRowThreads, 0, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace fastmha::cuda_kernels
+
+// Instantiates the four launches for one (storage, accumulation) dtype pair.
+#define FASTMHA_INSTANTIATE_CUDA_KERNELS(T, Acc)                                                 \
+  namespace fastmha::cuda_kernels {                                                              \
+  template void launch_flash_forward<T, Acc>(const AttentionParams<T, Acc>&, cudaStream_t);      \
+  template void launch_flash_backward<T, Acc>(const AttentionParams<T, Acc>&, cudaStream_t);     \
+  template void launch_softmax_forward<T, Acc>(const SoftmaxRowsParams<T, Acc>&, cudaStream_t);  \
+  template void launch_softmax_backward<T, Acc>(const SoftmaxRowsParams<T, Acc>&, cudaStream_t); \
+  }

@@ -1,0 +1,19 @@
+// Host entry points of fastmha's CUDA attention kernels (instantiated per dtype in attention_kernels_*.cu).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "ops/cuda/flash/kernel_common.h"
+
+namespace fastmha::cuda_kernels {
+
+template <typename T, typename Acc>
+void launch_flash_forward(const AttentionParams<T, Acc>& p, cudaStream_t stream);
+template <typename T, typename Acc>
+void launch_flash_backward(const AttentionParams<T, Acc>& p, cudaStream_t stream);
+template <typename T, typename Acc>
+void launch_softmax_forward(const SoftmaxRowsParams<T, Acc>& p, cudaStream_t stream);
+template <typename T, typename Acc>
+void launch_softmax_backward(const SoftmaxRowsParams<T, Acc>& p, cudaStream_t stream);
+
+}  // namespace fastmha::cuda_kernels

@@ -1,0 +1,77 @@
+// Block-wide building blocks of the tiled kernels: copying a tile into shared memory and multiplying shared
+// tiles. Half types use the tensor cores through the context's 16x16 warp product (WMMA on the GPU); float
+// and double use plain FMAs, one output element per thread at a time, accumulating in their own dtype.
+#pragma once
+
+#include <cstddef>
+
+#include "ops/cuda/flash/kernel_common.h"
+
+namespace fastmha::cuda_kernels {
+
+template <typename T>
+constexpr bool uses_tensor_cores() {
+  return sizeof(T) == 2;
+}
+
+constexpr size_t align128(size_t bytes) { return (bytes + 127) / 128 * 128; }
+
+// Shared-memory row strides (in elements). WMMA wants rows of multiples of 16 bytes (8 halves, 4 floats);
+// the FMA path wants odd strides so column walks hit distinct banks.
+template <typename T>
+constexpr int operand_pad() {
+  return uses_tensor_cores<T>() ? 8 : 1;
+}
+template <typename T>
+constexpr int accumulator_pad() {
+  return uses_tensor_cores<T>() ? 4 : 1;
+}
+
+// Copies rows [first, first + ROWS) of a (count, cols) matrix with row stride `stride` into tile[ROWS][LD],
+// zero-filling rows past `count` and columns past `cols` up to DP, so the padding adds nothing to products.
+template <int ROWS, int DP, int LD, typename Ctx, typename T>
+FASTMHA_DEVICE void load_tile(const Ctx& ctx, T* tile, const T* src, int64_t stride, int first, int count, int cols) {
+  for (int idx = ctx.thread(); idx < ROWS * DP; idx += Ctx::kThreads) {
+    const int r = idx / DP, c = idx % DP;
+    const int row = first + r;
+    tile[r * LD + c] = (row < count && c < cols) ? src[row * stride + c] : T(0.0f);
+  }
+}
+
+// c[M][N] (+)= A[M][K] * B[K][N] over shared tiles. A(i, k) = a[i * lda + k], or a[k * lda + i] when ACol;
+// B(k, j) = b[k * ldb + j], or b[j * ldb + k] when BCol.
+template <bool ACol, bool BCol, bool Accumulate, int M, int N, int K, typename Ctx, typename In, typename Acc>
+FASTMHA_DEVICE void block_gemm(const Ctx& ctx, const In* a, int lda, const In* b, int ldb, Acc* c, int ldc) {
+  if constexpr (uses_tensor_cores<In>()) {
+    static_assert(M % 16 == 0 && N % 16 == 0 && K % 16 == 0, "tensor-core tiles are 16x16x16");
+    constexpr int tiles_n = N / 16, tiles = (M / 16) * tiles_n;
+    for (int t = ctx.warp(); t < tiles; t += Ctx::kWarps) {
+      const int ti = t / tiles_n, tj = t % tiles_n;
+      const In* a_tile = ACol ? a + ti * 16 : a + ti * 16 * lda;
+      const In* b_tile = BCol ? b + tj * 16 * ldb : b + tj * 16;
+      ctx.template mma16<ACol, BCol, Accumulate>(a_tile, lda, b_tile, ldb, c + ti * 16 * ldc + tj * 16, ldc, K);
+    }
+  } else {
+    for (int idx = ctx.thread(); idx < M * N; idx += Ctx::kThreads) {
+      const int i = idx / N, j = idx % N;
+      Acc sum = Accumulate ? c[i * ldc + j] : Acc(0);
+      for (int k = 0; k < K; ++k) {
+        sum += Acc(ACol ? a[k * lda + i] : a[i * lda + k]) * Acc(BCol ? b[j * ldb + k] : b[k * ldb + j]);
+      }
+      c[i * ldc + j] = sum;
+    }
+  }
+}
+
+// Hands out 128-byte aligned pieces of a kernel's dynamic shared memory.
+struct SharedCarver {
+  char* next;
+  template <typename T>
+  FASTMHA_DEVICE T* take(size_t count) {
+    T* ptr = reinterpret_cast<T*>(next);
+    next += align128(count * sizeof(T));
+    return ptr;
+  }
+};
+
+}  // namespace fastmha::cuda_kernels

@@ -1,0 +1,208 @@
+// The flash-style forward (weights not kept): one thread block owns BM query rows of one head, streams
+// the keys and values in blocks of BN through shared memory and keeps an online softmax (running max m,
+// running sum l, rescaled output O) in Acc, so no Lq x Lk buffer exists. Masked scores are -1e9 exactly as
+// in the document, so a fully masked row ends up uniform over all keys.
+#pragma once
+
+#include "ops/cuda/flash/block_gemm.h"
+
+namespace fastmha::cuda_kernels {
+
+constexpr size_t kSharedBudget = 160 * 1024;  // fits sm_80 (163 KiB opt-in) and sm_90 (227 KiB)
+
+// Tensor-core tiles are multiples of 16; the FMA path goes down to 8 (double with d up to 256).
+template <typename T>
+constexpr int smallest_tile() {
+  return uses_tensor_cores<T>() ? 16 : 8;
+}
+
+// The largest tile side of 64, 32, 16, 8 whose shared memory (bytes_for(side)) fits the budget.
+template <typename Bytes>
+constexpr int largest_fitting(Bytes bytes_for) {
+  for (int side = 64; side > 8; side /= 2) {
+    if (bytes_for(side) <= kSharedBudget) {
+      return side;
+    }
+  }
+  return 8;
+}
+
+template <typename T, typename Acc, int DP>
+struct ForwardTiles {
+  static constexpr int kLd = DP + operand_pad<T>();  // q, k, v tiles
+  static constexpr size_t bytes(int bm, int bn) {
+    return align128(size_t(bm) * kLd * sizeof(T)) + 2 * align128(size_t(bn) * kLd * sizeof(T)) +
+           align128(size_t(bm) * (bn + accumulator_pad<T>()) * sizeof(Acc)) +
+           align128(size_t(bm) * (bn + operand_pad<T>()) * sizeof(T)) +
+           align128(size_t(bm) * (DP + accumulator_pad<T>()) * sizeof(Acc)) + 3 * align128(bm * sizeof(Acc)) +
+           align128(sizeof(int));
+  }
+  // The tallest query block that fits (it cuts the K/V traffic), then the widest key block beside it.
+  static constexpr int kRows = largest_fitting([](int bm) { return bytes(bm, smallest_tile<T>()); });
+  static constexpr int kCols = largest_fitting([](int bn) { return bytes(kRows, bn); });
+  static constexpr int kLdS = kCols + accumulator_pad<T>();
+  static constexpr int kLdP = kCols + operand_pad<T>();
+  static constexpr int kLdO = DP + accumulator_pad<T>();
+  static constexpr size_t kSharedBytes = bytes(kRows, kCols);
+  static_assert(kSharedBytes <= kSharedBudget, "forward tiles do not fit in shared memory");
+};
+
+template <typename T, typename Acc, int DP>
+struct ForwardShared {
+  using Tiles = ForwardTiles<T, Acc, DP>;
+  T *q, *k, *v;
+  Acc* s;  // scores of the current key block, then their masked, scaled values
+  T* p;    // exp(s - m) times the dropout multipliers, the operand of P @ V
+  Acc* o;  // unnormalised output
+  Acc *m, *l, *alpha;
+  int* any_fully_masked;
+
+  FASTMHA_DEVICE static ForwardShared carve(char* smem) {
+    SharedCarver c{smem};
+    ForwardShared s;
+    s.q = c.take<T>(Tiles::kRows * Tiles::kLd);
+    s.k = c.take<T>(Tiles::kCols * Tiles::kLd);
+    s.v = c.take<T>(Tiles::kCols * Tiles::kLd);
+    s.s = c.take<Acc>(Tiles::kRows * Tiles::kLdS);
+    s.p = c.take<T>(Tiles::kRows * Tiles::kLdP);
+    s.o = c.take<Acc>(Tiles::kRows * Tiles::kLdO);
+    s.m = c.take<Acc>(Tiles::kRows);
+    s.l = c.take<Acc>(Tiles::kRows);
+    s.alpha = c.take<Acc>(Tiles::kRows);
+    s.any_fully_masked = c.take<int>(1);
+    return s;
+  }
+};
+
+// One key block: S = Q K^T, the online-softmax update of each row (one thread per row), O = alpha O + P V.
+template <typename T, typename Acc, int DP, typename Ctx>
+FASTMHA_DEVICE void forward_key_block(const Ctx& ctx, const AttentionParams<T, Acc>& p,
+                                      const ForwardShared<T, Acc, DP>& sh, int64_t bh, int q0, int k0,
+                                      const MaskView& mask, uint64_t seed, uint64_t offset) {
+  using Tiles = ForwardTiles<T, Acc, DP>;
+  constexpr int BM = Tiles::kRows, BN = Tiles::kCols;
+  static_assert(Ctx::kThreads >= BM, "the softmax update gives every query row its own thread");
+  ctx.sync();  // the previous block's products are done with k, v and p
+  const T* k = head_rows(p.k, p.k_stride, bh, p.heads);
+  const T* v = head_rows(p.v, p.v_stride, bh, p.heads);
+  load_tile<BN, DP, Tiles::kLd>(ctx, sh.k, k, p.k_stride.row, k0, p.len_k, p.d_k);
+  load_tile<BN, DP, Tiles::kLd>(ctx, sh.v, v, p.v_stride.row, k0, p.len_k, p.d_v);
+  ctx.sync();
+  block_gemm<false, true, false, BM, BN, DP>(ctx, sh.q, Tiles::kLd, sh.k, Tiles::kLd, sh.s, Tiles::kLdS);
+  ctx.sync();
+  const int r = ctx.thread();
+  if (r < BM) {
+    const int i = q0 + r;
+    const bool row_exists = i < p.len_q;  // padding rows compute on zeros and are never written
+    Acc* s = sh.s + r * Tiles::kLdS;
+    T* prob = sh.p + r * Tiles::kLdP;
+    const int width = p.len_k - k0 < BN ? p.len_k - k0 : BN;
+    const Acc m_old = sh.m[r];
+    Acc m_new = m_old;
+    for (int j = 0; j < width; ++j) {
+      Acc score = s[j] * p.scale;
+      if (row_exists && mask.masked(i, k0 + j)) {
+        score = Acc(kMaskedScore);
+      }
+      s[j] = score;
+      m_new = score > m_new ? score : m_new;
+    }
+    Acc sum = 0;
+    const bool dropout = p.dropout_p > 0.0f && row_exists;
+    const uint64_t row_index = (static_cast<uint64_t>(bh) * p.len_q + i) * p.len_k + k0;
+    for (int j0 = 0; j0 < BN; j0 += 4) {
+      Acc keep[4] = {1, 1, 1, 1};
+      if (dropout && j0 < width) {
+        dropout_multipliers4(seed, offset, row_index + j0, p.dropout_p, p.dropout_scale, keep);
+      }
+      for (int t = 0; t < 4; ++t) {
+        const int j = j0 + t;
+        if (j < width) {
+          const Acc e = exp_acc(s[j] - m_new);
+          sum += e;
+          prob[j] = T(e * keep[t]);
+        } else {
+          prob[j] = T(0.0f);  // keys past Lk do not exist
+        }
+      }
+    }
+    const Acc alpha = exp_acc(m_old - m_new);  // 0 on the first block (m_old = -inf)
+    sh.alpha[r] = alpha;
+    sh.m[r] = m_new;
+    sh.l[r] = sh.l[r] * alpha + sum;
+  }
+  ctx.sync();
+  for (int idx = ctx.thread(); idx < BM * DP; idx += Ctx::kThreads) {
+    sh.o[(idx / DP) * Tiles::kLdO + idx % DP] *= sh.alpha[idx / DP];
+  }
+  ctx.sync();
+  block_gemm<false, false, true, BM, DP, BN>(ctx, sh.p, Tiles::kLdP, sh.v, Tiles::kLd, sh.o, Tiles::kLdO);
+}
+
+// The whole forward of query block `m_block` of head `bh` (= b * heads + h).
+template <typename T, typename Acc, int DP, typename Ctx>
+FASTMHA_DEVICE void flash_forward_block(const Ctx& ctx, const AttentionParams<T, Acc>& p, char* smem, int64_t bh,
+                                        int m_block) {
+  using Tiles = ForwardTiles<T, Acc, DP>;
+  constexpr int BM = Tiles::kRows, BN = Tiles::kCols;
+  const auto sh = ForwardShared<T, Acc, DP>::carve(smem);
+  const int q0 = m_block * BM;
+  const T* q = head_rows(p.q, p.q_stride, bh, p.heads);
+  load_tile<BM, DP, Tiles::kLd>(ctx, sh.q, q, p.q_stride.row, q0, p.len_q, p.d_k);
+  for (int idx = ctx.thread(); idx < BM * Tiles::kLdO; idx += Ctx::kThreads) {
+    sh.o[idx] = Acc(0);
+  }
+  for (int r = ctx.thread(); r < BM; r += Ctx::kThreads) {
+    sh.m[r] = -Acc(INFINITY);
+    sh.l[r] = Acc(0);
+  }
+  uint64_t seed = 0, offset = 0;
+  if (p.dropout_p > 0.0f) {
+    seed = static_cast<uint64_t>(p.rng_state[0]);
+    offset = static_cast<uint64_t>(p.rng_state[1]);
+  }
+  const MaskView mask = MaskView::of(p, bh);
+  const int key_blocks = (p.len_k + BN - 1) / BN;
+  int visible = key_blocks;
+  if (p.is_causal) {  // keys past the last row's diagonal are masked for every row of the block
+    const int last_key = q0 + BM < p.len_k ? q0 + BM : p.len_k;
+    visible = (last_key + BN - 1) / BN;
+  }
+  for (int nb = 0; nb < visible; ++nb) {
+    forward_key_block<T, Acc, DP>(ctx, p, sh, bh, q0, nb * BN, mask, seed, offset);
+  }
+  if (visible < key_blocks) {
+    // A row masked everywhere so far (a padding mask on top of causal) is uniform over *all* keys: let it
+    // see the skipped blocks too. For every other row they add exp(-1e9 - m) = 0.
+    ctx.sync();
+    if (ctx.thread() == 0) {
+      *sh.any_fully_masked = 0;
+    }
+    ctx.sync();
+    const int r = ctx.thread();
+    if (r < BM && q0 + r < p.len_q && sh.m[r] < Acc(kMaskedScore / 2)) {
+      *sh.any_fully_masked = 1;
+    }
+    ctx.sync();
+    if (*sh.any_fully_masked != 0) {
+      for (int nb = visible; nb < key_blocks; ++nb) {
+        forward_key_block<T, Acc, DP>(ctx, p, sh, bh, q0, nb * BN, mask, seed, offset);
+      }
+    }
+  }
+  ctx.sync();
+  T* out = p.out + bh * static_cast<int64_t>(p.len_q) * p.d_v;
+  for (int idx = ctx.thread(); idx < BM * p.d_v; idx += Ctx::kThreads) {
+    const int r = idx / p.d_v, c = idx % p.d_v;
+    if (q0 + r < p.len_q) {
+      out[static_cast<int64_t>(q0 + r) * p.d_v + c] = T(sh.o[r * Tiles::kLdO + c] / sh.l[r]);
+    }
+  }
+  for (int r = ctx.thread(); r < BM; r += Ctx::kThreads) {
+    if (q0 + r < p.len_q) {
+      p.lse[bh * p.len_q + q0 + r] = sh.m[r] + log_acc(sh.l[r]);
+    }
+  }
+}
+
+}  // namespace fastmha::cuda_kernels

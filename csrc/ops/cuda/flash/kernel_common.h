@@ -1,0 +1,96 @@
+// Helpers of the CUDA kernel bodies that also compile as host C++ (for the emulated tests): math, the mask
+// and causal test, the dropout draws. Kernel bodies take a thread context `ctx` (see device_threads.cuh and
+// tests/cpp/emulated_threads.h) for their thread id, barriers, warp matrix products and atomics.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "ops/cuda/flash/kernel_params.h"
+#include "ops/philox.h"
+
+#if defined(__CUDACC__)
+#define FASTMHA_DEVICE __device__ __forceinline__
+#else
+#define FASTMHA_DEVICE inline
+#endif
+
+namespace fastmha::cuda_kernels {
+
+// The flash kernels are compiled for head sizes padded to 64, 128 and 256.
+constexpr int kMaxFlashHeadDim = 256;
+
+// Calls f(std::integral_constant<int, DP>{}) with the padded head size DP that covers d (host side).
+template <typename F>
+void with_padded_head_dim(int d, F f) {
+  if (d <= 64) {
+    f(std::integral_constant<int, 64>{});
+  } else if (d <= 128) {
+    f(std::integral_constant<int, 128>{});
+  } else {
+    f(std::integral_constant<int, 256>{});
+  }
+}
+
+// The value the document writes into masked scores before the softmax.
+constexpr float kMaskedScore = -1e9f;
+
+// A row whose log-sum-exp is this low had every score masked: its softmax is uniform (1 / Lk). In fp32,
+// lse = -1e9 + log(Lk) rounds to -1e9, so exp(s - lse) cannot recover it.
+template <typename Acc>
+FASTMHA_DEVICE bool masked_everywhere(Acc lse) {
+  return lse < Acc(kMaskedScore / 2);
+}
+
+FASTMHA_DEVICE float exp_acc(float x) { return expf(x); }
+FASTMHA_DEVICE double exp_acc(double x) { return exp(x); }
+FASTMHA_DEVICE float log_acc(float x) { return logf(x); }
+FASTMHA_DEVICE double log_acc(double x) { return log(x); }
+
+// The rows of head bh (= b * heads + h) of a strided (B, H, rows, features) tensor.
+template <typename T>
+FASTMHA_DEVICE const T* head_rows(const T* base, const RowStrides& stride, int64_t bh, int heads) {
+  return base + (bh / heads) * stride.batch + (bh % heads) * stride.head;
+}
+
+// Where a score of head (b, h) is overwritten with -1e9: mask == 0, or above the diagonal when causal.
+struct MaskView {
+  const bool* base;  // the mask at (b, h), or nullptr
+  int64_t row_stride, col_stride;
+  bool is_causal;
+
+  template <typename Params>
+  FASTMHA_DEVICE static MaskView of(const Params& p, int64_t bh) {
+    const int64_t b = bh / p.heads, h = bh % p.heads;
+    MaskView view{nullptr, p.mask_stride[2], p.mask_stride[3], p.is_causal};
+    if (p.mask != nullptr) {
+      view.base = p.mask + b * p.mask_stride[0] + h * p.mask_stride[1];
+    }
+    return view;
+  }
+
+  FASTMHA_DEVICE bool masked(int64_t i, int64_t j) const {
+    return (is_causal && j > i) || (base != nullptr && !base[i * row_stride + j * col_stride]);
+  }
+};
+
+// Dropout multipliers (0 or 1/(1-p)) of the four scores at flat indices first..first+3 of the contiguous
+// (B, H, Lq, Lk) score layout, from at most two Philox blocks (each block gives four consecutive indices).
+template <typename Acc>
+FASTMHA_DEVICE void dropout_multipliers4(uint64_t seed, uint64_t offset, uint64_t first, float p, Acc scale,
+                                         Acc out[4]) {
+  const uint64_t counter = first >> 2;
+  const philox::Block lo = philox::random4(seed, offset, counter);
+  philox::Block hi = lo;
+  if ((first & 3) != 0) {
+    hi = philox::random4(seed, offset, counter + 1);
+  }
+  for (int t = 0; t < 4; ++t) {
+    const uint64_t index = first + t;
+    const uint32_t word = (index >> 2) == counter ? lo.word[index & 3] : hi.word[index & 3];
+    out[t] = philox::to_uniform(word) >= p ? scale : Acc(0);
+  }
+}
+
+}  // namespace fastmha::cuda_kernels

@@ -1,0 +1,257 @@
+// The CUDA kernel bodies, run on the CPU through emulated_threads.h against a float64 oracle written from
+// the formulas: the flash forward and backward, and the weights-kept row kernels, for every dtype and padded
+// head size, with odd lengths, strided inputs, broadcast masks (fully masked rows included), causal and
+// dropout. This machine has no GPU; the same bodies run on one through ops/cuda/device_threads.cuh.
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <string>
+
+#include "emulated_threads.h"
+#include "ops/broadcast_mask.h"
+#include "ops/cuda/flash/flash_backward.h"
+#include "ops/cuda/flash/flash_forward.h"
+#include "ops/cuda/flash/softmax_rows.h"
+#include "ops/cuda/kernel_params_builder.h"
+#include "ops/philox.h"
+
+namespace {
+
+using namespace fastmha::cuda_kernels;
+using fastmha::testing::run_blocks;
+
+constexpr int kFlashThreads = 128;  // as on the GPU: the forward gives each query row its own thread
+// The row kernels are written for any power-of-two block; fewer emulated threads keep the test quick.
+constexpr int kRowThreads = 32;
+
+struct Case {
+  int64_t batch = 2, heads = 2, len_q = 70, len_k = 45, d_k = 16, d_v = 16;
+  bool mask = false, causal = false;
+  double dropout_p = 0.0;
+};
+
+struct Inputs {
+  at::Tensor q, k, v, mask, grad_out, grad_weights, rng_state;
+};
+
+// q, k, v as strided views of (B, L, H, d) storage, the layout the block's head split produces.
+Inputs make_inputs(const Case& c, at::ScalarType dtype) {
+  auto options = at::TensorOptions().dtype(dtype);
+  auto heads_view = [&](int64_t len, int64_t d) {
+    return at::randn({c.batch, len, c.heads, d}, options).transpose(1, 2);
+  };
+  Inputs in;
+  in.q = heads_view(c.len_q, c.d_k);
+  in.k = heads_view(c.len_k, c.d_k);
+  in.v = heads_view(c.len_k, c.d_v);
+  if (c.mask) {
+    // (Lq, Lk) float 0/1 with one row masked everywhere, times a per-batch padding mask (B, 1, 1, Lk).
+    auto rows = (at::rand({c.len_q, c.len_k}) > 0.3).to(at::kFloat);
+    rows[3].zero_();
+    auto padding = at::ones({c.batch, 1, 1, c.len_k});
+    padding.index_put_({1, at::indexing::Slice(), at::indexing::Slice(), at::indexing::Slice(c.len_k - 7)}, 0);
+    in.mask = rows * padding;
+  }
+  in.grad_out = at::randn({c.batch, c.heads, c.len_q, c.d_v}, options);
+  in.grad_weights = at::randn({c.batch, c.heads, c.len_q, c.len_k}, options);
+  in.rng_state = at::tensor({int64_t{20261129}, int64_t{8}}, at::kLong);
+  return in;
+}
+
+// The dropout multipliers of the contiguous (B, H, Lq, Lk) scores: the randomness is part of the contract.
+at::Tensor multipliers(const Case& c, const at::Tensor& rng_state) {
+  auto out = at::empty({c.batch, c.heads, c.len_q, c.len_k}, at::kDouble);
+  auto* data = out.data_ptr<double>();
+  const auto* state = rng_state.const_data_ptr<int64_t>();
+  for (int64_t n = 0; n < out.numel(); ++n) {
+    data[n] = fastmha::philox::keep_scale<double>(state[0], state[1], n, static_cast<float>(c.dropout_p),
+                                                  1.0 / (1.0 - c.dropout_p));
+  }
+  return out;
+}
+
+struct Reference {
+  at::Tensor out, weights, lse, grad_q, grad_k, grad_v;
+};
+
+// Formulas in float64 with autograd: scores = q k^T / sqrt(d_k); masked -> -1e9; softmax; dropout; @ v.
+Reference reference(const Case& c, const Inputs& in, bool with_grad_weights) {
+  auto q = in.q.to(at::kDouble).detach().requires_grad_(true);
+  auto k = in.k.to(at::kDouble).detach().requires_grad_(true);
+  auto v = in.v.to(at::kDouble).detach().requires_grad_(true);
+  auto scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(c.d_k));
+  auto masked = at::zeros({c.len_q, c.len_k}, at::kBool);
+  if (c.causal) {
+    masked = at::ones({c.len_q, c.len_k}, at::kBool).triu(1);
+  }
+  if (c.mask) {
+    masked = at::logical_or(masked, in.mask == 0);
+  }
+  scores = scores.masked_fill(masked, -1e9);
+  auto weights = at::softmax(scores, -1);
+  if (c.dropout_p > 0) {
+    weights = weights * multipliers(c, in.rng_state);
+  }
+  auto out = at::matmul(weights, v);
+  auto loss = (out * in.grad_out.to(at::kDouble)).sum();
+  if (with_grad_weights) {
+    loss = loss + (weights * in.grad_weights.to(at::kDouble)).sum();
+  }
+  auto grads = torch::autograd::grad({loss}, {q, k, v});
+  return {out.detach(), weights.detach(), at::logsumexp(scores, -1).detach(), grads[0], grads[1], grads[2]};
+}
+
+double tolerance(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kDouble:
+      return 1e-10;
+    case at::kFloat:
+      return 2e-5;
+    case at::kHalf:
+      return 5e-3;
+    default:
+      return 2e-2;
+  }
+}
+
+// max |got - want| relative to max(1, max |want|).
+void require_close(const at::Tensor& got, const at::Tensor& want, at::ScalarType dtype, const std::string& what) {
+  const auto g = got.to(at::kDouble), w = want.to(at::kDouble);
+  REQUIRE(g.sizes() == w.sizes());
+  const double scale = std::max(1.0, w.abs().max().item<double>());
+  const double error = (g - w).abs().max().item<double>() / scale;
+  INFO(what << ": relative error " << error);
+  CHECK(error <= tolerance(dtype));
+}
+
+template <typename T, typename Acc, int DP>
+void check_flash(const Case& c, const Inputs& in, at::ScalarType dtype) {
+  const auto mask_view = fastmha::broadcast_mask(in.mask.defined() ? std::optional(in.mask) : std::nullopt, in.q, in.k);
+  auto p = flash_params<T, Acc>(in.q, in.k, in.v, mask_view, c.dropout_p, c.causal, in.rng_state);
+  const auto acc = at::toOpMathType(dtype);
+  auto out = at::empty({c.batch, c.heads, c.len_q, c.d_v}, dtype);
+  auto lse = at::empty({c.batch, c.heads, c.len_q}, acc);
+  p.out = out.template data_ptr<T>();
+  p.lse = lse.template data_ptr<Acc>();
+  using Forward = ForwardTiles<T, Acc, DP>;
+  const int query_blocks = (c.len_q + Forward::kRows - 1) / Forward::kRows;
+  run_blocks<kFlashThreads>(p.batch_heads * query_blocks, Forward::kSharedBytes, [&](auto ctx, char* smem, int64_t b) {
+    flash_forward_block<T, Acc, DP>(ctx, p, smem, b / query_blocks, static_cast<int>(b % query_blocks));
+  });
+  const auto want = reference(c, in, /*with_grad_weights=*/false);
+  require_close(out, want.out, dtype, "flash output");
+  // A fully masked row's lse is -1e9 + log(Lk): compare the others, and those only by the masked test.
+  const auto live = want.lse > -1e8;
+  require_close(lse.to(at::kDouble).masked_select(live), want.lse.masked_select(live), dtype, "flash lse");
+  const bool dead_rows_low = at::all(lse.to(at::kDouble).masked_select(live.logical_not()) < -1e8).item<bool>();
+  CHECK(dead_rows_low);
+
+  const auto grad_out = in.grad_out.contiguous();
+  const auto delta = (grad_out.to(acc) * out.to(acc)).sum(-1).contiguous();
+  auto grad_q = at::zeros({c.batch, c.heads, c.len_q, c.d_k}, acc);
+  auto grad_k = at::empty({c.batch, c.heads, c.len_k, c.d_k}, dtype);
+  auto grad_v = at::empty({c.batch, c.heads, c.len_k, c.d_v}, dtype);
+  p.saved_lse = lse.template const_data_ptr<Acc>();
+  p.grad_out = grad_out.template const_data_ptr<T>();
+  p.delta = delta.template const_data_ptr<Acc>();
+  p.grad_q_acc = grad_q.template data_ptr<Acc>();
+  p.grad_k = grad_k.template data_ptr<T>();
+  p.grad_v = grad_v.template data_ptr<T>();
+  using Backward = BackwardTiles<T, Acc, DP>;
+  const int key_blocks = (c.len_k + Backward::kCols - 1) / Backward::kCols;
+  run_blocks<kFlashThreads>(p.batch_heads * key_blocks, Backward::kSharedBytes, [&](auto ctx, char* smem, int64_t b) {
+    flash_backward_block<T, Acc, DP>(ctx, p, smem, b / key_blocks, static_cast<int>(b % key_blocks));
+  });
+  require_close(grad_q, want.grad_q, dtype, "flash grad_q");
+  require_close(grad_k, want.grad_k, dtype, "flash grad_k");
+  require_close(grad_v, want.grad_v, dtype, "flash grad_v");
+}
+
+template <typename T, typename Acc>
+void check_softmax_rows(const Case& c, const Inputs& in, at::ScalarType dtype) {
+  const auto acc = at::toOpMathType(dtype);
+  const auto mask_view = fastmha::broadcast_mask(in.mask.defined() ? std::optional(in.mask) : std::nullopt, in.q, in.k);
+  // The scores as cuBLAS gives them: the product of the dtype's values, in the accumulation dtype.
+  const auto scores = at::matmul(in.q.to(acc), in.k.to(acc).transpose(-2, -1)).contiguous();
+  auto p = rows_params<T, Acc>(in.q, in.k, scores, mask_view, c.dropout_p, c.causal, in.rng_state);
+  auto weights = at::empty(scores.sizes(), dtype);
+  auto lse = at::empty({c.batch, c.heads, c.len_q}, acc);
+  p.weights = weights.template data_ptr<T>();
+  p.lse = lse.template data_ptr<Acc>();
+  const size_t scratch_bytes = kRowThreads * sizeof(Acc);
+  run_blocks<kRowThreads>(p.rows, scratch_bytes, [&](auto ctx, char* smem, int64_t row) {
+    softmax_forward_row<T, Acc>(ctx, p, reinterpret_cast<Acc*>(smem), row);
+  });
+  const auto want = reference(c, in, /*with_grad_weights=*/true);
+  require_close(weights, want.weights, dtype, "softmax weights");
+  const auto live = want.lse > -1e8;
+  require_close(lse.to(at::kDouble).masked_select(live), want.lse.masked_select(live), dtype, "softmax lse");
+
+  const auto grad_weights =
+      (at::matmul(in.grad_out.to(acc), in.v.to(acc).transpose(-2, -1)) + in.grad_weights.to(acc)).contiguous();
+  auto grad_scores = at::empty(scores.sizes(), dtype);
+  p.grad_weights = grad_weights.template const_data_ptr<Acc>();
+  p.grad_scores = grad_scores.template data_ptr<T>();
+  weights.fill_(-7);  // the backward writes them again
+  run_blocks<kRowThreads>(p.rows, scratch_bytes, [&](auto ctx, char* smem, int64_t row) {
+    softmax_backward_row<T, Acc>(ctx, p, reinterpret_cast<Acc*>(smem), row);
+  });
+  require_close(weights, want.weights, dtype, "softmax backward weights");
+  const auto ds = grad_scores.to(at::kDouble);
+  require_close(at::matmul(ds, in.k.to(at::kDouble)), want.grad_q, dtype, "softmax grad_q");
+  require_close(at::matmul(ds.transpose(-2, -1), in.q.to(at::kDouble)), want.grad_k, dtype, "softmax grad_k");
+}
+
+template <typename T, typename Acc>
+void check_case(const Case& c, at::ScalarType dtype) {
+  at::manual_seed(7);
+  const auto in = make_inputs(c, dtype);
+  with_padded_head_dim(std::max(c.d_k, c.d_v),
+                       [&](auto dp) { check_flash<T, Acc, decltype(dp)::value>(c, in, dtype); });
+  if (c.d_k == 16) {  // the row kernels do not depend on the head size
+    check_softmax_rows<T, Acc>(c, in, dtype);
+  }
+}
+
+template <typename T, typename Acc>
+void check_dtype(at::ScalarType dtype) {
+  const std::pair<int64_t, int64_t> dims[] = {{16, 16}, {100, 72}, {200, 256}};
+  for (const auto& [d_k, d_v] : dims) {
+    for (int option = 0; option < 4; ++option) {
+      Case c;
+      c.d_k = d_k;
+      c.d_v = d_v;
+      c.mask = option == 1 || option == 2;
+      c.causal = option == 2;
+      c.dropout_p = option == 3 ? 0.3 : 0.0;
+      if (option == 2) {
+        c.len_k = 150;  // causal with more keys than a query block sees: exercises block skipping
+      }
+      INFO("dtype " << dtype << " d_k " << d_k << " d_v " << d_v << " mask " << c.mask << " causal " << c.causal
+                    << " dropout " << c.dropout_p);
+      check_case<T, Acc>(c, dtype);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("CUDA kernel bodies (emulated on the CPU) match the oracle: float64", "[cuda-bodies]") {
+  check_dtype<double, double>(at::kDouble);
+}
+
+TEST_CASE("CUDA kernel bodies (emulated on the CPU) match the oracle: float32", "[cuda-bodies]") {
+  check_dtype<float, float>(at::kFloat);
+}
+
+TEST_CASE("CUDA kernel bodies (emulated on the CPU) match the oracle: float16", "[cuda-bodies]") {
+  check_dtype<c10::Half, float>(at::kHalf);
+}
+
+TEST_CASE("CUDA kernel bodies (emulated on the CPU) match the oracle: bfloat16", "[cuda-bodies]") {
+  check_dtype<c10::BFloat16, float>(at::kBFloat16);
+}
