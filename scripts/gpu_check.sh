@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The GPU machine's one prepared call: build fastmha against the torch it finds, run every CUDA test, the
+# compute-sanitizer checks and the GPU benchmark, writing logs and results into OUTDIR (summary.txt first).
+#
+#   bash scripts/gpu_check.sh OUTDIR                       # all phases (about 8 min on an H200 box)
+#   PHASES=build,test bash scripts/gpu_check.sh OUTDIR     # a subset: build, test, sanitize, bench
+#
+# Each phase has its own time limit (so a hang costs one phase, not the session) and the next one runs even
+# when one fails; the exit status is non-zero if any failed. Without a GPU everything still runs (CUDA
+# tests skip, the sanitizer and the benchmark say so): that is the dry run on a CPU machine.
+set -uo pipefail
+OUT=${1:?usage: scripts/gpu_check.sh OUTDIR}
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+PHASES=${PHASES:-build,test,sanitize,bench}
+PY=${PYTHON:-python3}
+[ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ] && PY=$PWD/.venv/bin/python
+# cmake, ninja and pybind11 come with that Python's packages.
+PATH="$("$PY" -c 'import os, sys; print(os.path.dirname(sys.executable))'):$PATH"
+[ -d /usr/local/cuda/bin ] && export PATH="$PATH:/usr/local/cuda/bin"
+status=0
+
+phase() {  # phase NAME LIMIT_SECONDS COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  local start=$SECONDS
+  echo "== $name (limit ${limit}s)"
+  timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name: rc=$rc, $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
+  tail -n 4 "$OUT/$name.log"
+  [ "$rc" = 0 ] || status=1
+}
+wants() { [[ ",$PHASES," == *",$1,"* ]]; }
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 || echo "no nvidia-smi"
+  command -v nvcc >/dev/null && nvcc --version | tail -n 2
+  "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpu', torch.cuda.is_available())"
+} >"$OUT/environment.txt" 2>&1
+cat "$OUT/environment.txt"
+
+if wants build; then
+  # Only the local GPU's arch by default: the shortest build; the full list is 8.0;9.0.
+  phase build 300 env TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-$(nproc)}" \
+    FASTMHA_BUILD_DIR="${FASTMHA_BUILD_DIR:-build-gpu}" "$PY" -m pip install --no-build-isolation --no-deps -e .
+  "$PY" -c "import fastmha; print(fastmha.build_info)" | tee -a "$OUT/summary.txt"
+fi
+if wants test; then
+  phase test-cuda-kernels 240 "$PY" -m pytest -q -p no:cacheprovider tests/python/test_cuda_kernels.py \
+    --junitxml="$OUT/test-cuda-kernels.xml"
+  # Every other test parameterized by device, on its CUDA cases (opcheck, gradients, module, causal, ...).
+  if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    phase test-device-cuda 240 "$PY" -m pytest -q -p no:cacheprovider tests/python -k cuda \
+      --ignore tests/python/test_cuda_kernels.py --junitxml="$OUT/test-device-cuda.xml"
+  else
+    echo "test-device-cuda: no CUDA device, skipped" | tee -a "$OUT/summary.txt"
+  fi
+fi
+if wants sanitize; then
+  if command -v compute-sanitizer >/dev/null; then
+    for tool in memcheck racecheck synccheck; do
+      phase "sanitize-$tool" 150 compute-sanitizer --tool "$tool" --error-exitcode 7 "$PY" scripts/cuda_smoke.py
+    done
+  else
+    echo "sanitize: compute-sanitizer not found" | tee -a "$OUT/summary.txt"
+  fi
+fi
+if wants bench; then
+  if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    phase bench-core 300 "$PY" benchmarks/bench_cuda.py --out "$OUT/bench" --repeats "${BENCH_REPEATS:-5}"
+  else
+    phase bench-core-smoke 120 "$PY" benchmarks/bench_cuda.py --smoke --device cpu --dtype float32 --out "$OUT/bench"
+  fi
+fi
+echo "gpu_check: $( [ $status = 0 ] && echo all phases passed || echo some phase FAILED ), results in $OUT"
+exit $status

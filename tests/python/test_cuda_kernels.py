@@ -1,0 +1,204 @@
+"""fastmha's own CUDA kernels against the float64 oracle (skipped without a CUDA device).
+
+The flash kernels (need_weights=False) and the weights-kept row kernels (need_weights=True), forward and
+backward, across every padded head size (64/128/256, d_v != d_k), lengths around the tile edges, broadcast
+masks of several dtypes with fully masked rows, is_causal with block skipping, dropout (reproducible, shared
+by both paths, replayed by the backward), strided inputs, side streams, CUDA graphs and gradcheck in float64.
+"""
+
+import pytest
+import torch
+from conftest import TOLERANCES
+from oracle import oracle_attention
+from torch.autograd import gradcheck
+
+import fastmha  # noqa: F401
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Gradients go through more roundings than outputs: twice the output tolerance for the half types.
+GRAD_TOLERANCES = {**TOLERANCES, torch.float16: dict(atol=1e-2, rtol=1e-2), torch.bfloat16: dict(atol=6e-2, rtol=6e-2)}
+
+
+def attention(q, k, v, mask=None, dropout_p=0.0, need_weights=False, is_causal=False):
+    return torch.ops.fastmha.attention(q, k, v, mask, dropout_p, need_weights, is_causal)
+
+
+def inputs(batch, heads, lq, lk, d_k, d_v, dtype, strided=False):
+    def make(n, d):
+        if strided:  # (B, L, H, d) storage seen as (B, H, L, d), as the block's head split produces
+            return torch.randn(batch, n, heads, d, device="cuda").transpose(1, 2).to(dtype)
+        return torch.randn(batch, heads, n, d, device="cuda").to(dtype)
+
+    return make(lq, d_k), make(lk, d_k), make(lk, d_v)
+
+
+def mask_with_dead_rows(batch, lq, lk, dtype):
+    mask = (torch.rand(batch, 1, lq, lk, device="cuda") > 0.3).to(dtype)
+    mask[:, :, 1] = 0  # row 1 masked everywhere: uniform weights over all keys
+    return mask
+
+
+def causal_and(mask, lq, lk):
+    tril = torch.tril(torch.ones(lq, lk, dtype=torch.bool, device="cuda"))
+    return tril if mask is None else (mask != 0) & tril
+
+
+def reference(q, k, v, mask, grad_out, grad_weights=None, keep=None, p=0.0):
+    q64, k64, v64 = (x.detach().double().requires_grad_(True) for x in (q, k, v))
+    out, weights = oracle_attention(q64, k64, v64, mask, keep, p)
+    loss = (out * grad_out.double()).sum()
+    if grad_weights is not None:
+        loss = loss + (weights * grad_weights.double()).sum()
+    grads = torch.autograd.grad(loss, (q64, k64, v64))
+    return out, weights, grads
+
+
+def check(dtype, got, want, grads=False):
+    tol = (GRAD_TOLERANCES if grads else TOLERANCES)[dtype]
+    scale = max(1.0, want.abs().max().item())
+    torch.testing.assert_close(got.double() / scale, want.double() / scale, **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d_k,d_v", [(16, 16), (64, 64), (100, 72), (128, 128), (200, 256)])
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_forward_backward_match_oracle(dtype, d_k, d_v, need_weights):
+    q, k, v = inputs(2, 3, 130, 97, d_k, d_v, dtype, strided=True)
+    mask = mask_with_dead_rows(2, 130, 97, torch.float32)
+    q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
+    out, weights = attention(q, k, v, mask, need_weights=need_weights)
+    grad_out = torch.randn_like(out)
+    grad_weights = torch.randn_like(weights) if need_weights else None
+    ref_out, ref_weights, ref_grads = reference(q, k, v, mask, grad_out, grad_weights)
+    check(dtype, out, ref_out)
+    if need_weights:
+        check(dtype, weights, ref_weights)
+        grads = torch.autograd.grad((out, weights), (q, k, v), (grad_out, grad_weights))
+    else:
+        assert weights.numel() == 0
+        grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    for got, want in zip(grads, ref_grads):
+        check(dtype, got, want, grads=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lq,lk", [(1, 1), (1, 300), (63, 64), (65, 65), (300, 1), (257, 511)])
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_causal_with_padding_matches_oracle(dtype, lq, lk, need_weights):
+    q, k, v = inputs(2, 2, lq, lk, 64, 64, dtype)
+    padding = torch.ones(2, 1, 1, lk, dtype=torch.bool, device="cuda")
+    padding[0, ..., : min(lk, 70)] = False  # the first rows' causal windows are masked everywhere
+    q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
+    out, _ = attention(q, k, v, padding, need_weights=need_weights, is_causal=True)
+    grad_out = torch.randn_like(out)
+    ref_out, _, ref_grads = reference(q, k, v, causal_and(padding, lq, lk), grad_out)
+    check(dtype, out, ref_out)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad_out), ref_grads):
+        check(dtype, got, want, grads=True)
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.uint8, torch.int64, torch.float16, torch.float64])
+@pytest.mark.parametrize("shape", [(97,), (1, 97), (2, 1, 1, 97), (3, 130, 97), (2, 3, 130, 97)])
+def test_mask_shapes_and_dtypes(mask_dtype, shape):
+    q, k, v = inputs(2, 3, 130, 97, 32, 32, torch.float32)
+    mask = (torch.rand(shape, device="cuda") > 0.4).to(mask_dtype)
+    for need_weights in (False, True):
+        out, _ = attention(q, k, v, mask, need_weights=need_weights)
+        check(torch.float32, out, reference(q, k, v, mask, torch.zeros_like(out))[0])
+
+
+def keep_mask_of(q, k, v, mask, p, is_causal, seed):
+    """Which weights the dropout kept, read off the weights-kept path (softmax weights are never exactly 0)."""
+    torch.manual_seed(seed)
+    _, weights = attention(q, k, v, mask, p, need_weights=True, is_causal=is_causal)
+    return weights != 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_dropout_is_reproducible_shared_by_both_paths_and_replayed_by_backward(dtype, is_causal):
+    p = 0.3
+    q, k, v = inputs(2, 2, 150, 150, 64, 64, dtype)
+    mask = mask_with_dead_rows(2, 150, 150, torch.bool)
+    full_mask = causal_and(mask, 150, 150) if is_causal else mask
+    keep = keep_mask_of(q, k, v, mask, p, is_causal, seed=11)
+    # Masked scores have weight exactly 0 whether kept or not; the oracle gives them no gradient either.
+    assert 0.6 < keep[full_mask.expand_as(keep) != 0].float().mean().item() < 0.8
+    assert torch.equal(keep, keep_mask_of(q, k, v, mask, p, is_causal, seed=11))  # same seed, same mask
+    assert not torch.equal(keep, keep_mask_of(q, k, v, mask, p, is_causal, seed=12))
+    q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
+    torch.manual_seed(11)
+    out, _ = attention(q, k, v, mask, p, need_weights=False, is_causal=is_causal)  # the flash path
+    grad_out = torch.randn_like(out)
+    ref_out, _, ref_grads = reference(q, k, v, full_mask, grad_out, keep=keep, p=p)
+    check(dtype, out, ref_out)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad_out), ref_grads):
+        check(dtype, got, want, grads=True)
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_gradcheck_float64(need_weights):
+    q, k, v = (x.requires_grad_(True) for x in inputs(1, 2, 9, 13, 5, 7, torch.float64))
+    mask = mask_with_dead_rows(1, 9, 13, torch.bool)
+    for is_causal in (False, True):
+        assert gradcheck(lambda q, k, v: attention(q, k, v, mask, 0.0, need_weights, is_causal)[0], (q, k, v))
+
+
+def test_head_sizes_above_256_fall_back_and_stay_correct():
+    q, k, v = inputs(1, 2, 20, 30, 300, 260, torch.float32)
+    out, _ = attention(q, k, v)
+    check(torch.float32, out, reference(q, k, v, None, torch.zeros_like(out))[0])
+
+
+def test_empty_inputs():
+    q, k, v = inputs(2, 3, 0, 5, 16, 16, torch.float16)
+    out, weights = attention(q, k, v, need_weights=True)
+    assert out.shape == (2, 3, 0, 16) and weights.shape == (2, 3, 0, 5)
+
+
+def test_side_stream_and_inputs_unchanged():
+    q, k, v = inputs(2, 4, 200, 200, 64, 64, torch.bfloat16, strided=True)
+    copies = [x.clone() for x in (q, k, v)]
+    expected, _ = attention(q, k, v, is_causal=True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out, _ = attention(q, k, v, is_causal=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert torch.equal(out, expected)
+    for x, copy in zip((q, k, v), copies):
+        assert torch.equal(x, copy)
+
+
+def test_cuda_graph_capture_with_dropout():
+    # Each replay must draw fresh dropout (the Philox offset is read on the device), like eager calls do.
+    q, k, v = inputs(1, 2, 128, 128, 64, 64, torch.float16)
+    static_out = None
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        attention(q, k, v, None, 0.5)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out, _ = attention(q, k, v, None, 0.5)
+    graph.replay()
+    first = static_out.clone()
+    graph.replay()
+    assert torch.isfinite(first).all()
+    assert not torch.equal(first, static_out)
+
+
+def test_block_on_cuda_matches_cpu():
+    torch.manual_seed(0)
+    block = fastmha.MultiHeadAttentionBlock(256, 4, 0.0)
+    x = torch.randn(2, 77, 256)
+    mask = torch.ones(2, 1, 1, 77, dtype=torch.bool)
+    mask[1, ..., 60:] = False
+    expected = block(x, x, x, mask)
+    expected_scores = block.attention_scores.clone()
+    got = block.cuda()(x.cuda(), x.cuda(), x.cuda(), mask.cuda())
+    torch.testing.assert_close(got.cpu(), expected, atol=2e-5, rtol=2e-4)
+    torch.testing.assert_close(block.attention_scores.cpu(), expected_scores, atol=2e-5, rtol=2e-4)
