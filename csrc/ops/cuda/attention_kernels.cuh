@@ -3,9 +3,11 @@
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/util/Exception.h>
 
 #include <climits>
+#include <mutex>
 
 #include "ops/cuda/attention_kernels.h"
 #include "ops/cuda/device_threads.cuh"
@@ -17,6 +19,7 @@ namespace fastmha::cuda_kernels {
 
 constexpr int kFlashThreads = 128;
 constexpr int kRowThreads = 256;
+constexpr int kMaxDevices = 64;
 
 template <typename T, typename Acc, int DP>
 __global__ void __launch_bounds__(kFlashThreads) flash_forward_kernel(AttentionParams<T, Acc> p, int query_blocks) {
@@ -52,15 +55,21 @@ inline unsigned int grid_size(int64_t blocks, const char* what) {
   return static_cast<unsigned int>(blocks);
 }
 
-// Opts a kernel in to its dynamic shared memory (above the 48 KiB default) and launches it.
+// Opts a kernel in to its dynamic shared memory (above the 48 KiB default), once per kernel and device (so a
+// CUDA graph capture after the usual warm-up makes no attribute calls), and launches it.
 template <typename Kernel, typename Params>
 void launch_tiled(Kernel kernel, size_t shared_bytes, int64_t blocks, int per_head, const Params& p,
                   cudaStream_t stream, const char* what) {
   if (blocks == 0) {
     return;
   }
-  C10_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes)));
+  static std::once_flag opted_in[kMaxDevices];
+  const c10::DeviceIndex device = c10::cuda::current_device();
+  TORCH_CHECK(device >= 0 && device < kMaxDevices, "fastmha: CUDA device index ", device, " out of range");
+  std::call_once(opted_in[device], [&] {
+    C10_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes)));
+  });
   kernel<<<grid_size(blocks, what), kFlashThreads, shared_bytes, stream>>>(p, per_head);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
