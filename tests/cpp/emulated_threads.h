@@ -1,22 +1,44 @@
 // Runs the CUDA kernel bodies (csrc/ops/cuda/flash/*.h) on the CPU. Each CUDA thread of a block is a fiber
 // (ucontext) on one OS thread; __syncthreads switches to the next fiber, so a block's threads run phase by
-// phase exactly as the barriers order them, deterministically and fast. Blocks run one after another. A
-// warp's 16x16 tensor-core product is computed by its first lane in fp32 from the same operands (the GPU's
+// phase exactly as the barriers order them, deterministically and fast. Within a phase the threads run one
+// after another in an order that ScheduleScope can reverse or shuffle: a missing barrier (thread a reads what
+// thread b writes in the same phase) then gives wrong results under some order instead of hiding. Blocks run one after
+// another. A warp's 16x16 tensor-core product is computed by its first lane in fp32 from the same operands (the GPU's
 // WMMA call is the one part not exercised here). Shared memory starts as NaN bytes, so a read of anything
 // the kernel did not write shows up in the results.
 #pragma once
 
 #include <ucontext.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <numeric>
+#include <random>
 #include <stdexcept>
 #include <vector>
 
 namespace fastmha::testing {
+
+enum class Schedule { kForward, kReverse, kShuffled };
+
+inline Schedule& current_schedule() {
+  static thread_local Schedule schedule = Schedule::kForward;
+  return schedule;
+}
+
+// Runs the blocks started in its lifetime (on this OS thread) under `schedule`.
+class ScheduleScope {
+ public:
+  explicit ScheduleScope(Schedule schedule) : saved_(current_schedule()) { current_schedule() = schedule; }
+  ~ScheduleScope() { current_schedule() = saved_; }
+
+ private:
+  Schedule saved_;
+};
 
 // The fibers of one block and the scheduler that steps them from barrier to barrier.
 class FiberBlock {
@@ -33,9 +55,18 @@ class FiberBlock {
       fibers_[t].uc_link = &scheduler_;
       makecontext(&fibers_[t], reinterpret_cast<void (*)()>(&FiberBlock::trampoline), 0);
     }
+    std::vector<size_t> order(fibers_.size());
+    std::iota(order.begin(), order.end(), size_t{0});
+    if (current_schedule() == Schedule::kReverse) {
+      std::reverse(order.begin(), order.end());
+    }
+    std::mt19937 random(20261129);
     size_t finished = 0;
     while (finished < fibers_.size()) {
-      for (size_t t = 0; t < fibers_.size(); ++t) {
+      if (current_schedule() == Schedule::kShuffled) {
+        std::shuffle(order.begin(), order.end(), random);
+      }
+      for (const size_t t : order) {
         if (done_[t]) {
           continue;
         }

@@ -240,18 +240,18 @@ void check_dtype(at::ScalarType dtype) {
 
 }  // namespace
 
-TEST_CASE("CUDA kernel bodies (emulated on the CPU) match the oracle: float64", "[cuda-bodies]") {
-  check_dtype<double, double>(at::kDouble);
-}
+// Each dtype runs under the three thread orders of the emulator (see emulated_threads.h).
+#define FASTMHA_KERNEL_BODY_TESTS(T, Acc, dtype, name)                                             \
+  TEST_CASE("CUDA kernel bodies (emulated on the CPU) match the oracle: " name, "[cuda-bodies]") { \
+    using fastmha::testing::Schedule;                                                              \
+    for (const auto schedule : {Schedule::kForward, Schedule::kReverse, Schedule::kShuffled}) {    \
+      INFO("thread order " << static_cast<int>(schedule));                                         \
+      fastmha::testing::ScheduleScope scope(schedule);                                             \
+      check_dtype<T, Acc>(dtype);                                                                  \
+    }                                                                                              \
+  }
 
-TEST_CASE("CUDA kernel bodies (emulated on the CPU) match the oracle: float32", "[cuda-bodies]") {
-  check_dtype<float, float>(at::kFloat);
-}
-
-TEST_CASE("CUDA kernel bodies (emulated on the CPU) match the oracle: float16", "[cuda-bodies]") {
-  check_dtype<c10::Half, float>(at::kHalf);
-}
-
-TEST_CASE("CUDA kernel bodies (emulated on the CPU) match the oracle: bfloat16", "[cuda-bodies]") {
-  check_dtype<c10::BFloat16, float>(at::kBFloat16);
-}
+FASTMHA_KERNEL_BODY_TESTS(double, double, at::kDouble, "float64")
+FASTMHA_KERNEL_BODY_TESTS(float, float, at::kFloat, "float32")
+FASTMHA_KERNEL_BODY_TESTS(c10::Half, float, at::kHalf, "float16")
+FASTMHA_KERNEL_BODY_TESTS(c10::BFloat16, float, at::kBFloat16, "bfloat16")

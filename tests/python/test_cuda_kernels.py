@@ -202,3 +202,16 @@ def test_block_on_cuda_matches_cpu():
     got = block.cuda()(x.cuda(), x.cuda(), x.cuda(), mask.cuda())
     torch.testing.assert_close(got.cpu(), expected, atol=2e-5, rtol=2e-4)
     torch.testing.assert_close(block.attention_scores.cpu(), expected_scores, atol=2e-5, rtol=2e-4)
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("where,value", [("k", float("nan")), ("v", float("nan")), ("q", float("inf")),
+                                         ("q", -float("inf")), ("q", 1e30)])
+def test_nan_and_inf_propagate_like_the_oracle(need_weights, where, value):
+    q, k, v = (x.cpu() for x in inputs(1, 2, 4, 6, 8, 8, torch.float64))
+    {"q": q, "k": k, "v": v}[where][0, 0, 3 if where != "q" else 1, 0] = value
+    mask = torch.ones(6, dtype=torch.bool)
+    mask[3] = False  # NaN keys under the mask never reach the scores; NaN values still meet 0 * NaN
+    ref_out, _ = oracle_attention(q, k, v, mask)
+    out, _ = attention(q.cuda(), k.cuda(), v.cuda(), mask.cuda(), need_weights=need_weights)
+    torch.testing.assert_close(out.cpu(), ref_out, equal_nan=True)
