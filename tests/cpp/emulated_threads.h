@@ -44,7 +44,7 @@ class ScheduleScope {
 class FiberBlock {
  public:
   FiberBlock(int threads, std::function<void(int)> body)
-      : body_(std::move(body)), fibers_(threads), barriers_(threads, 0), done_(threads, false) {}
+      : body_(std::move(body)), fibers_(threads), barriers_(threads, 0), done_(threads, false), staging_(threads) {}
 
   void run() {
     auto& stacks = stack_pool(fibers_.size());
@@ -86,6 +86,8 @@ class FiberBlock {
     }
   }
 
+  std::vector<double>& staging() { return staging_; }
+
   void sync() {
     ++barriers_[current_];
     swapcontext(&fibers_[current_], &scheduler_);
@@ -120,6 +122,7 @@ class FiberBlock {
   std::vector<ucontext_t> fibers_;
   std::vector<int64_t> barriers_;
   std::vector<bool> done_;
+  std::vector<double> staging_;  // one slot per thread for warp_all_reduce
   ucontext_t scheduler_{};
   int current_ = 0;
 };
@@ -133,7 +136,23 @@ struct EmulatedThreads {
 
   int thread() const { return id; }
   int warp() const { return id / 32; }
+  int lane() const { return id % 32; }
   void sync() const { block->sync(); }
+
+  // The warp's lanes exchange through the block's staging slots between two barriers, so every thread of
+  // the block must call it alike (the kernel bodies do: their warp reductions sit in uniform loops).
+  template <typename A, typename Op>
+  A warp_all_reduce(A value, Op op) const {
+    auto& staging = block->staging();
+    staging[id] = static_cast<double>(value);
+    block->sync();
+    A result = static_cast<A>(staging[warp() * 32]);
+    for (int l = 1; l < 32; ++l) {
+      result = op(result, static_cast<A>(staging[warp() * 32 + l]));
+    }
+    block->sync();
+    return result;
+  }
 
   // Fibers of a block never run at the same time: a plain add is atomic here.
   template <typename A>

@@ -30,7 +30,17 @@ struct DeviceThreads {
 
   __device__ __forceinline__ int thread() const { return static_cast<int>(threadIdx.x); }
   __device__ __forceinline__ int warp() const { return static_cast<int>(threadIdx.x) / 32; }
+  __device__ __forceinline__ int lane() const { return static_cast<int>(threadIdx.x) % 32; }
   __device__ __forceinline__ void sync() const { __syncthreads(); }
+
+  // op over the 32 lanes of the calling warp (a butterfly of shuffles), the result in every lane.
+  template <typename A, typename Op>
+  __device__ __forceinline__ A warp_all_reduce(A value, Op op) const {
+    for (int offset = 16; offset > 0; offset /= 2) {
+      value = op(value, __shfl_xor_sync(0xffffffffu, value, offset));
+    }
+    return value;
+  }
 
   template <typename A>
   __device__ __forceinline__ void atomic_add(A* address, A value) const {

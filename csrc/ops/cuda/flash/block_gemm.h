@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "ops/cuda/flash/kernel_common.h"
 
@@ -27,10 +28,37 @@ constexpr int accumulator_pad() {
   return uses_tensor_cores<T>() ? 4 : 1;
 }
 
+// 16 bytes moved as one (a 128-bit load/store on the GPU).
+#if defined(__CUDACC__)
+using Chunk16 = uint4;
+#else
+struct alignas(16) Chunk16 {
+  uint32_t x, y, z, w;
+};
+#endif
+
 // Copies rows [first, first + ROWS) of a (count, cols) matrix with row stride `stride` into tile[ROWS][LD],
 // zero-filling rows past `count` and columns past `cols` up to DP, so the padding adds nothing to products.
+// Half-type tiles move in 16-byte chunks when the source rows allow it (aligned, whole chunks).
 template <int ROWS, int DP, int LD, typename Ctx, typename T>
 FASTMHA_DEVICE void load_tile(const Ctx& ctx, T* tile, const T* src, int64_t stride, int first, int count, int cols) {
+  if constexpr (uses_tensor_cores<T>()) {
+    constexpr int kChunk = 16 / sizeof(T);
+    static_assert(DP % kChunk == 0 && (LD * sizeof(T)) % 16 == 0, "tile rows are whole chunks");
+    if (cols % kChunk == 0 && stride % kChunk == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0) {
+      constexpr int kChunks = DP / kChunk;
+      for (int idx = ctx.thread(); idx < ROWS * kChunks; idx += Ctx::kThreads) {
+        const int r = idx / kChunks, c = (idx % kChunks) * kChunk;
+        const int row = first + r;
+        Chunk16 value{0, 0, 0, 0};
+        if (row < count && c < cols) {
+          value = *reinterpret_cast<const Chunk16*>(src + row * stride + c);
+        }
+        *reinterpret_cast<Chunk16*>(tile + r * LD + c) = value;
+      }
+      return;
+    }
+  }
   for (int idx = ctx.thread(); idx < ROWS * DP; idx += Ctx::kThreads) {
     const int r = idx / DP, c = idx % DP;
     const int row = first + r;

@@ -74,14 +74,13 @@ struct ForwardShared {
   }
 };
 
-// One key block: S = Q K^T, the online-softmax update of each row (one thread per row), O = alpha O + P V.
+// One key block: S = Q K^T, the online-softmax update of each row, O = alpha O + P V.
 template <typename T, typename Acc, int DP, typename Ctx>
 FASTMHA_DEVICE void forward_key_block(const Ctx& ctx, const AttentionParams<T, Acc>& p,
                                       const ForwardShared<T, Acc, DP>& sh, int64_t bh, int q0, int k0,
                                       const MaskView& mask, uint64_t seed, uint64_t offset) {
   using Tiles = ForwardTiles<T, Acc, DP>;
   constexpr int BM = Tiles::kRows, BN = Tiles::kCols;
-  static_assert(Ctx::kThreads >= BM, "the softmax update gives every query row its own thread");
   ctx.sync();  // the previous block's products are done with k, v and p
   const T* k = head_rows(p.k, p.k_stride, bh, p.heads);
   const T* v = head_rows(p.v, p.v_stride, bh, p.heads);
@@ -90,46 +89,56 @@ FASTMHA_DEVICE void forward_key_block(const Ctx& ctx, const AttentionParams<T, A
   ctx.sync();
   block_gemm<false, true, false, BM, BN, DP>(ctx, sh.q, Tiles::kLd, sh.k, Tiles::kLd, sh.s, Tiles::kLdS);
   ctx.sync();
-  const int r = ctx.thread();
-  if (r < BM) {
+  // The online-softmax update: each warp owns BM / kWarps rows, its lanes split a row's columns, and warp
+  // reductions give the row's max and sum (conflict-free shared reads: lanes walk along a row).
+  constexpr int kRowsPerWarp = BM / Ctx::kWarps;
+  constexpr int kColsPerLane = (BN + 31) / 32;
+  static_assert(BM % Ctx::kWarps == 0, "whole rows per warp");
+  const int lane = ctx.lane();
+  const bool dropout = p.dropout_p > 0.0f;
+  const int width = p.len_k - k0 < BN ? p.len_k - k0 : BN;
+  for (int rr = 0; rr < kRowsPerWarp; ++rr) {
+    const int r = ctx.warp() * kRowsPerWarp + rr;
     const int i = q0 + r;
     const bool row_exists = i < p.len_q;  // padding rows compute on zeros and are never written
-    Acc* s = sh.s + r * Tiles::kLdS;
+    const Acc* s = sh.s + r * Tiles::kLdS;
     T* prob = sh.p + r * Tiles::kLdP;
-    const int width = p.len_k - k0 < BN ? p.len_k - k0 : BN;
+    Acc score[kColsPerLane];
+    Acc local_max = -Acc(INFINITY);
+    for (int c = 0; c < kColsPerLane; ++c) {
+      const int j = lane + 32 * c;
+      score[c] = -Acc(INFINITY);
+      if (j < width) {
+        score[c] = row_exists && mask.masked(i, k0 + j) ? Acc(kMaskedScore) : s[j] * p.scale;
+        local_max = score[c] > local_max ? score[c] : local_max;
+      }
+    }
     const Acc m_old = sh.m[r];
-    Acc m_new = m_old;
-    for (int j = 0; j < width; ++j) {
-      Acc score = s[j] * p.scale;
-      if (row_exists && mask.masked(i, k0 + j)) {
-        score = Acc(kMaskedScore);
-      }
-      s[j] = score;
-      m_new = score > m_new ? score : m_new;
-    }
-    Acc sum = 0;
-    const bool dropout = p.dropout_p > 0.0f && row_exists;
+    const Acc block_max = ctx.warp_all_reduce(local_max, MaxOp{});
+    const Acc m_new = block_max > m_old ? block_max : m_old;
+    Acc local_sum = 0;
     const uint64_t row_index = (static_cast<uint64_t>(bh) * p.len_q + i) * p.len_k + k0;
-    for (int j0 = 0; j0 < BN; j0 += 4) {
-      Acc keep[4] = {1, 1, 1, 1};
-      if (dropout && j0 < width) {
-        dropout_multipliers4(seed, offset, row_index + j0, p.dropout_p, p.dropout_scale, keep);
-      }
-      for (int t = 0; t < 4; ++t) {
-        const int j = j0 + t;
-        if (j < width) {
-          const Acc e = exp_acc(s[j] - m_new);
-          sum += e;
-          prob[j] = T(e * keep[t]);
-        } else {
-          prob[j] = T(0.0f);  // keys past Lk do not exist
+    for (int c = 0; c < kColsPerLane; ++c) {
+      const int j = lane + 32 * c;
+      if (j < width) {
+        const Acc e = exp_acc(score[c] - m_new);
+        local_sum += e;
+        Acc keep = 1;
+        if (dropout && row_exists) {
+          keep = philox::uniform(seed, offset, row_index + j) >= p.dropout_p ? p.dropout_scale : Acc(0);
         }
+        prob[j] = T(e * keep);
+      } else if (j < BN) {
+        prob[j] = T(0.0f);  // keys past Lk do not exist
       }
     }
-    const Acc alpha = exp_acc(m_old - m_new);  // 0 on the first block (m_old = -inf)
-    sh.alpha[r] = alpha;
-    sh.m[r] = m_new;
-    sh.l[r] = sh.l[r] * alpha + sum;
+    const Acc sum = ctx.warp_all_reduce(local_sum, SumOp{});
+    if (lane == 0) {
+      const Acc alpha = exp_acc(m_old - m_new);  // 0 on the first block (m_old = -inf)
+      sh.alpha[r] = alpha;
+      sh.m[r] = m_new;
+      sh.l[r] = sh.l[r] * alpha + sum;
+    }
   }
   ctx.sync();
   for (int idx = ctx.thread(); idx < BM * DP; idx += Ctx::kThreads) {

@@ -43,7 +43,25 @@ FASTMHA_DEVICE bool masked_everywhere(Acc lse) {
   return lse < Acc(kMaskedScore / 2);
 }
 
+// Reductions for block_reduce and the context's warp_all_reduce.
+struct MaxOp {
+  template <typename A>
+  FASTMHA_DEVICE A operator()(A x, A y) const {
+    return x > y ? x : y;
+  }
+};
+struct SumOp {
+  template <typename A>
+  FASTMHA_DEVICE A operator()(A x, A y) const {
+    return x + y;
+  }
+};
+
+#if defined(__CUDA_ARCH__)
+FASTMHA_DEVICE float exp_acc(float x) { return __expf(x); }  // ex2.approx: ~2 ulp, exp(-inf) = 0
+#else
 FASTMHA_DEVICE float exp_acc(float x) { return expf(x); }
+#endif
 FASTMHA_DEVICE double exp_acc(double x) { return exp(x); }
 FASTMHA_DEVICE float log_acc(float x) { return logf(x); }
 FASTMHA_DEVICE double log_acc(double x) { return log(x); }

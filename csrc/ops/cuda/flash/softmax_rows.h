@@ -7,19 +7,6 @@
 
 namespace fastmha::cuda_kernels {
 
-struct MaxOp {
-  template <typename A>
-  FASTMHA_DEVICE A operator()(A x, A y) const {
-    return x > y ? x : y;
-  }
-};
-struct SumOp {
-  template <typename A>
-  FASTMHA_DEVICE A operator()(A x, A y) const {
-    return x + y;
-  }
-};
-
 // Tree reduction over the block through `scratch` (kThreads values); every thread gets the result.
 template <typename Ctx, typename Acc, typename Op>
 FASTMHA_DEVICE Acc block_reduce(const Ctx& ctx, Acc* scratch, Acc value, Op op) {
