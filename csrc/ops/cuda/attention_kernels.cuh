@@ -39,13 +39,13 @@ __global__ void __launch_bounds__(kFlashThreads) flash_backward_kernel(Attention
 
 template <typename T, typename Acc>
 __global__ void __launch_bounds__(kRowThreads) softmax_forward_kernel(SoftmaxRowsParams<T, Acc> p) {
-  __shared__ Acc scratch[kRowThreads];
+  __shared__ Acc scratch[kRowThreads / 32];
   softmax_forward_row<T, Acc>(DeviceThreads<kRowThreads>{}, p, scratch, blockIdx.x);
 }
 
 template <typename T, typename Acc>
 __global__ void __launch_bounds__(kRowThreads) softmax_backward_kernel(SoftmaxRowsParams<T, Acc> p) {
-  __shared__ Acc scratch[kRowThreads];
+  __shared__ Acc scratch[kRowThreads / 32];
   softmax_backward_row<T, Acc>(DeviceThreads<kRowThreads>{}, p, scratch, blockIdx.x);
 }
 

@@ -7,19 +7,19 @@
 
 namespace fastmha::cuda_kernels {
 
-// Tree reduction over the block through `scratch` (kThreads values); every thread gets the result.
+// op over the whole block: shuffles within each warp, then the warps' results through `scratch` (kWarps
+// values), two barriers in all; every thread gets the result.
 template <typename Ctx, typename Acc, typename Op>
 FASTMHA_DEVICE Acc block_reduce(const Ctx& ctx, Acc* scratch, Acc value, Op op) {
-  const int t = ctx.thread();
-  scratch[t] = value;
-  ctx.sync();
-  for (int width = Ctx::kThreads / 2; width > 0; width /= 2) {
-    if (t < width) {
-      scratch[t] = op(scratch[t], scratch[t + width]);
-    }
-    ctx.sync();
+  value = ctx.warp_all_reduce(value, op);
+  if (ctx.lane() == 0) {
+    scratch[ctx.warp()] = value;
   }
-  const Acc result = scratch[0];
+  ctx.sync();
+  Acc result = scratch[0];
+  for (int w = 1; w < Ctx::kWarps; ++w) {
+    result = op(result, scratch[w]);
+  }
   ctx.sync();  // scratch is reused by the next reduction
   return result;
 }
