@@ -1,6 +1,6 @@
 // Block-wide building blocks of the tiled kernels: copying a tile into shared memory and multiplying shared
 // tiles. Half types use the tensor cores through the context's 16x16 warp product (WMMA on the GPU); float
-// and double use plain FMAs, one output element per thread at a time, accumulating in their own dtype.
+// and double use plain FMAs on 4x4 register tiles, accumulating in their own dtype.
 #pragma once
 
 #include <cstddef>
@@ -80,13 +80,40 @@ FASTMHA_DEVICE void block_gemm(const Ctx& ctx, const In* a, int lda, const In* b
       ctx.template mma16<ACol, BCol, Accumulate>(a_tile, lda, b_tile, ldb, c + ti * 16 * ldc + tj * 16, ldc, K);
     }
   } else {
-    for (int idx = ctx.thread(); idx < M * N; idx += Ctx::kThreads) {
-      const int i = idx / N, j = idx % N;
-      Acc sum = Accumulate ? c[i * ldc + j] : Acc(0);
-      for (int k = 0; k < K; ++k) {
-        sum += Acc(ACol ? a[k * lda + i] : a[i * lda + k]) * Acc(BCol ? b[j * ldb + k] : b[k * ldb + j]);
+    // Each thread accumulates a 4x4 register tile (rows and columns strided across threads, so a warp's
+    // lanes read consecutive columns): 8 shared loads per 16 FMAs instead of 2 per 1.
+    constexpr int TM = 4, TN = 4;
+    static_assert(M % TM == 0 && N % TN == 0, "register tiles are 4x4");
+    constexpr int kRowSteps = M / TM, kColSteps = N / TN;
+    for (int t = ctx.thread(); t < kRowSteps * kColSteps; t += Ctx::kThreads) {
+      const int i0 = t / kColSteps, j0 = t % kColSteps;
+      Acc acc[TM][TN];
+      for (int ii = 0; ii < TM; ++ii) {
+        for (int jj = 0; jj < TN; ++jj) {
+          acc[ii][jj] = Accumulate ? c[(i0 + ii * kRowSteps) * ldc + j0 + jj * kColSteps] : Acc(0);
+        }
       }
-      c[i * ldc + j] = sum;
+      for (int k = 0; k < K; ++k) {
+        Acc av[TM], bv[TN];
+        for (int ii = 0; ii < TM; ++ii) {
+          const int i = i0 + ii * kRowSteps;
+          av[ii] = Acc(ACol ? a[k * lda + i] : a[i * lda + k]);
+        }
+        for (int jj = 0; jj < TN; ++jj) {
+          const int j = j0 + jj * kColSteps;
+          bv[jj] = Acc(BCol ? b[j * ldb + k] : b[k * ldb + j]);
+        }
+        for (int ii = 0; ii < TM; ++ii) {
+          for (int jj = 0; jj < TN; ++jj) {
+            acc[ii][jj] += av[ii] * bv[jj];
+          }
+        }
+      }
+      for (int ii = 0; ii < TM; ++ii) {
+        for (int jj = 0; jj < TN; ++jj) {
+          c[(i0 + ii * kRowSteps) * ldc + j0 + jj * kColSteps] = acc[ii][jj];
+        }
+      }
     }
   }
 }
