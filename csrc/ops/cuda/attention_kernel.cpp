@@ -1,7 +1,8 @@
 // CUDA kernels of the attention core. Weights not kept: the flash kernels (ops/cuda/flash/), no Lq x Lk
 // buffer. Weights kept: scores from cuBLAS in the accumulation dtype, then one fused scale + mask + softmax +
-// dropout kernel per row. Head sizes above 256 and empty inputs take the ATen implementation, as does
-// everything when FASTMHA_CUDA_KERNELS=aten (a comparison and safety switch). Every launch runs on the inputs'
+// dropout kernel per row. Head sizes above 256, empty inputs and GPUs with under 160 KiB of shared memory
+// per block take the ATen implementation, as does everything when FASTMHA_CUDA_KERNELS=aten (a comparison
+// and safety switch). Every launch runs on the inputs'
 // device and its current stream.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
@@ -34,10 +35,16 @@ bool aten_kernels_requested() {
   return requested;
 }
 
-// Our kernels take every non-empty call with head sizes up to 256.
+// The flash tiles need more shared memory per block than GPUs before sm_80 (and sm_86/89) can give.
+bool enough_shared_memory(const at::Device& device) {
+  return at::cuda::getDeviceProperties(device.index())->sharedMemPerBlockOptin >= cuda_kernels::kSharedBudget;
+}
+
+// Our kernels take every non-empty call with head sizes up to 256 on GPUs with enough shared memory.
 bool fused_kernels_apply(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value) {
   return !aten_kernels_requested() && query.numel() > 0 && key.numel() > 0 && value.numel() > 0 &&
-         query.size(3) <= cuda_kernels::kMaxFlashHeadDim && value.size(3) <= cuda_kernels::kMaxFlashHeadDim;
+         query.size(3) <= cuda_kernels::kMaxFlashHeadDim && value.size(3) <= cuda_kernels::kMaxFlashHeadDim &&
+         enough_shared_memory(query.device());
 }
 
 detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query, const at::Tensor& key,

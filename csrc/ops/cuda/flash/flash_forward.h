@@ -8,8 +8,6 @@
 
 namespace fastmha::cuda_kernels {
 
-constexpr size_t kSharedBudget = 160 * 1024;  // fits sm_80 (163 KiB opt-in) and sm_90 (227 KiB)
-
 // Tensor-core tiles are multiples of 16; the FMA path goes down to 8 (double with d up to 256).
 template <typename T>
 constexpr int smallest_tile() {

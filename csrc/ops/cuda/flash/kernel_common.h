@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
@@ -20,6 +21,10 @@ namespace fastmha::cuda_kernels {
 
 // The flash kernels are compiled for head sizes padded to 64, 128 and 256.
 constexpr int kMaxFlashHeadDim = 256;
+
+// Shared memory a flash kernel's tiles may take: fits sm_80 (163 KiB opt-in) and sm_90 (227 KiB). GPUs with
+// less (sm_75 and older, sm_86/89 consumer parts: 99 KiB) take the ATen path.
+constexpr size_t kSharedBudget = 160 * 1024;
 
 // Calls f(std::integral_constant<int, DP>{}) with the padded head size DP that covers d (host side).
 template <typename F>
