@@ -215,3 +215,33 @@ def test_nan_and_inf_propagate_like_the_oracle(need_weights, where, value):
     ref_out, _ = oracle_attention(q, k, v, mask)
     out, _ = attention(q.cuda(), k.cuda(), v.cuda(), mask.cuda(), need_weights=need_weights)
     torch.testing.assert_close(out.cpu(), ref_out, equal_nan=True)
+
+
+def test_our_kernels_agree_with_the_aten_path(tmp_path):
+    # The same calls in a process with FASTMHA_CUDA_KERNELS=aten (the foundation's ATen implementation).
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "calls.py"
+    script.write_text(
+        "import sys, torch, fastmha\n"
+        "torch.manual_seed(3)\n"
+        "q, k, v = (torch.randn(2, 4, 300, 64, device='cuda', dtype=torch.bfloat16, requires_grad=True) "
+        "for _ in range(3))\n"
+        "mask = torch.rand(2, 1, 1, 300, device='cuda') > 0.2\n"
+        "results = []\n"
+        "for need_weights in (False, True):\n"
+        "    for is_causal in (False, True):\n"
+        "        out, _ = torch.ops.fastmha.attention(q, k, v, mask, 0.0, need_weights, is_causal)\n"
+        "        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))\n"
+        "        results += [out.detach().cpu(), *(g.cpu() for g in grads)]\n"
+        "torch.save(results, sys.argv[1])\n")
+    ours, aten = tmp_path / "ours.pt", tmp_path / "aten.pt"
+    env = dict(os.environ)
+    env.pop("FASTMHA_CUDA_KERNELS", None)
+    subprocess.run([sys.executable, str(script), str(ours)], check=True, env=env, timeout=300)
+    env["FASTMHA_CUDA_KERNELS"] = "aten"
+    subprocess.run([sys.executable, str(script), str(aten)], check=True, env=env, timeout=300)
+    for got, want in zip(torch.load(ours), torch.load(aten)):
+        check(torch.bfloat16, got, want, grads=True)
