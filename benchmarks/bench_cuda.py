@@ -105,7 +105,7 @@ class Clock:
         return time.perf_counter() - begin
 
 
-def measure(fn, mode, q, clock, repeats, device):
+def measure(fn, mode, clock, repeats, device):
     def step():
         if mode == "fwd":
             with torch.no_grad():
@@ -149,7 +149,7 @@ def run(args, device, dtype):
                             row[f"ms_{peer}"] = row[f"tflops_{peer}"] = row[f"mib_{peer}"] = float("nan")
                             continue
                         try:
-                            seconds, mib = measure(peer_fn(peer, q, k, v, mask, p, is_causal), mode, q, clock,
+                            seconds, mib = measure(peer_fn(peer, q, k, v, mask, p, is_causal), mode, clock,
                                                    args.repeats, device)
                         except (RuntimeError, torch.OutOfMemoryError) as error:
                             print(f"  {peer}: n/a ({str(error).splitlines()[0][:100]})")

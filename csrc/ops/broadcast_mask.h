@@ -16,4 +16,14 @@ inline at::Tensor broadcast_mask(const std::optional<at::Tensor>& mask, const at
   return mask->to(at::kBool).expand({query.size(0), query.size(1), query.size(2), key.size(2)});
 }
 
+// Points a kernel's parameters (fields `mask` and `mask_stride[4]`) at a view from broadcast_mask; an
+// undefined view means no mask.
+template <typename Params>
+void set_mask_view(Params& p, const at::Tensor& mask_view) {
+  p.mask = mask_view.defined() ? mask_view.const_data_ptr<bool>() : nullptr;
+  for (int i = 0; i < 4; ++i) {
+    p.mask_stride[i] = mask_view.defined() ? mask_view.stride(i) : 0;
+  }
+}
+
 }  // namespace fastmha

@@ -199,6 +199,7 @@ void check_softmax_rows(const Case& c, const Inputs& in, at::ScalarType dtype) {
   const auto grad_weights =
       (at::matmul(in.grad_out.to(acc), in.v.to(acc).transpose(-2, -1)) + in.grad_weights.to(acc)).contiguous();
   auto grad_scores = at::empty(scores.sizes(), dtype);
+  p.saved_lse = lse.template const_data_ptr<Acc>();
   p.grad_weights = grad_weights.template const_data_ptr<Acc>();
   p.grad_scores = grad_scores.template data_ptr<T>();
   weights.fill_(-7);  // the backward writes them again

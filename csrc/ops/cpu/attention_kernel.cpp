@@ -45,10 +45,7 @@ cpu::AttentionInputs<T> kernel_inputs(const at::Tensor& q, const at::Tensor& k, 
   in.len_k = k.size(2);
   in.d_k = q.size(3);
   in.d_v = v.size(3);
-  in.mask = mask.defined() ? mask.const_data_ptr<bool>() : nullptr;
-  for (int i = 0; i < 4 && mask.defined(); ++i) {
-    in.mask_stride[i] = mask.stride(i);
-  }
+  set_mask_view(in, mask);
   in.scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(in.d_k)));
   in.dropout_p = dropout_p;
   in.is_causal = is_causal;

@@ -2,8 +2,7 @@
 // buffer. Weights kept: scores from cuBLAS in the accumulation dtype, then one fused scale + mask + softmax +
 // dropout kernel per row. Head sizes above 256, empty inputs and GPUs with under 160 KiB of shared memory
 // per block take the ATen implementation, as does everything when FASTMHA_CUDA_KERNELS=aten (a comparison
-// and safety switch). Every launch runs on the inputs'
-// device and its current stream.
+// and safety switch). Every launch runs on the inputs' device and its current stream.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -118,13 +117,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(const at::Tensor& 
 }
 
 // With a gradient on the weights themselves: dW = dO V^T + grad_weights row by row, then GEMMs in the dtype.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> weights_backward(const at::Tensor& grad_output,
-                                                                const at::Tensor& grad_weights, const at::Tensor& query,
-                                                                const at::Tensor& key, const at::Tensor& value,
-                                                                const at::Tensor& mask_view,
-                                                                const at::Tensor& rng_state, double dropout_p,
-                                                                bool is_causal) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> weights_backward(
+    const at::Tensor& grad_output, const at::Tensor& grad_weights, const at::Tensor& query, const at::Tensor& key,
+    const at::Tensor& value, const at::Tensor& mask_view, const at::Tensor& logsumexp, const at::Tensor& rng_state,
+    double dropout_p, bool is_causal) {
   const auto dtype = query.scalar_type();
+  const auto lse = logsumexp.to(at::toOpMathType(dtype)).contiguous();
   const auto q = unit_stride_rows(query), k = unit_stride_rows(key), v = unit_stride_rows(value);
   const auto grad_out = grad_output.to(dtype);
   const auto scores = cuda_kernels::scores_gemm(q, k);
@@ -135,6 +133,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> weights_backward(const at::Tensor
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "fastmha_cuda_softmax_backward", [&] {
     using Acc = at::opmath_type<scalar_t>;
     auto p = rows_params<scalar_t, Acc>(q, k, scores, mask_view, dropout_p, is_causal, rng_state);
+    p.saved_lse = lse.const_data_ptr<Acc>();
     p.grad_weights = grad_w.const_data_ptr<Acc>();
     p.weights = weights.data_ptr<scalar_t>();
     p.grad_scores = grad_scores.data_ptr<scalar_t>();
@@ -156,7 +155,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
   const auto mask_view = broadcast_mask(mask, query, key);
   const auto state = rng_state.to(query.device(), at::kLong).contiguous();
   if (grad_weights.has_value() && grad_weights->defined()) {
-    return weights_backward(grad_output, *grad_weights, query, key, value, mask_view, state, dropout_p, is_causal);
+    return weights_backward(grad_output, *grad_weights, query, key, value, mask_view, logsumexp, state, dropout_p,
+                            is_causal);
   }
   return flash_backward(grad_output, query, key, value, mask_view, output, logsumexp, state, dropout_p, is_causal);
 }

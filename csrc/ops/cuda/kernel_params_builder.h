@@ -6,6 +6,7 @@
 #include <climits>
 #include <cmath>
 
+#include "ops/broadcast_mask.h"
 #include "ops/cuda/flash/kernel_params.h"
 
 namespace fastmha::cuda_kernels {
@@ -16,14 +17,6 @@ inline at::Tensor unit_stride_rows(const at::Tensor& x) { return x.stride(3) == 
 inline RowStrides row_strides(const at::Tensor& x) { return {x.stride(0), x.stride(1), x.stride(2)}; }
 
 template <typename Params>
-inline void set_mask(Params& p, const at::Tensor& mask_view) {
-  p.mask = mask_view.defined() ? mask_view.const_data_ptr<bool>() : nullptr;
-  for (int i = 0; i < 4; ++i) {
-    p.mask_stride[i] = mask_view.defined() ? mask_view.stride(i) : 0;
-  }
-}
-
-template <typename Params>
 inline void set_common(Params& p, int64_t heads, int64_t len_q, int64_t len_k, int64_t d_k, const at::Tensor& mask_view,
                        double dropout_p, bool is_causal, const at::Tensor& rng_state) {
   TORCH_CHECK(len_q <= INT_MAX && len_k <= INT_MAX, "fastmha: sequence lengths above ", INT_MAX,
@@ -31,7 +24,7 @@ inline void set_common(Params& p, int64_t heads, int64_t len_q, int64_t len_k, i
   p.heads = static_cast<int>(heads);
   p.len_q = static_cast<int>(len_q);
   p.len_k = static_cast<int>(len_k);
-  set_mask(p, mask_view);
+  set_mask_view(p, mask_view);
   p.scale = 1.0 / std::sqrt(static_cast<double>(d_k));
   p.is_causal = is_causal;
   p.dropout_p = static_cast<float>(dropout_p);

@@ -139,11 +139,7 @@ FASTMHA_DEVICE void flash_backward_block(const Ctx& ctx, const AttentionParams<T
     sh.grad_k[idx] = Acc(0);
     sh.grad_v[idx] = Acc(0);
   }
-  uint64_t seed = 0, offset = 0;
-  if (p.dropout_p > 0.0f) {
-    seed = static_cast<uint64_t>(p.rng_state[0]);
-    offset = static_cast<uint64_t>(p.rng_state[1]);
-  }
+  const auto [seed, offset] = dropout_stream(p);
   const MaskView mask = MaskView::of(p, bh);
   const Acc* lse = p.saved_lse + bh * p.len_q;
   const Acc* delta = p.delta + bh * p.len_q;

@@ -123,7 +123,7 @@ FASTMHA_DEVICE void forward_key_block(const Ctx& ctx, const AttentionParams<T, A
         local_sum += e;
         Acc keep = 1;
         if (dropout && row_exists) {
-          keep = philox::uniform(seed, offset, row_index + j) >= p.dropout_p ? p.dropout_scale : Acc(0);
+          keep = philox::keep_scale(seed, offset, row_index + j, p.dropout_p, p.dropout_scale);
         }
         prob[j] = T(e * keep);
       } else if (j < BN) {
@@ -163,11 +163,7 @@ FASTMHA_DEVICE void flash_forward_block(const Ctx& ctx, const AttentionParams<T,
     sh.m[r] = -Acc(INFINITY);
     sh.l[r] = Acc(0);
   }
-  uint64_t seed = 0, offset = 0;
-  if (p.dropout_p > 0.0f) {
-    seed = static_cast<uint64_t>(p.rng_state[0]);
-    offset = static_cast<uint64_t>(p.rng_state[1]);
-  }
+  const auto [seed, offset] = dropout_stream(p);
   const MaskView mask = MaskView::of(p, bh);
   const int key_blocks = (p.len_k + BN - 1) / BN;
   int visible = key_blocks;

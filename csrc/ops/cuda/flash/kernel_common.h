@@ -98,6 +98,18 @@ struct MaskView {
   }
 };
 
+// The Philox (seed, offset) of the call's dropout, read from its device copy (rng_state); zeros without dropout.
+struct DropoutStream {
+  uint64_t seed, offset;
+};
+template <typename Params>
+FASTMHA_DEVICE DropoutStream dropout_stream(const Params& p) {
+  if (p.dropout_p > 0.0f) {
+    return {static_cast<uint64_t>(p.rng_state[0]), static_cast<uint64_t>(p.rng_state[1])};
+  }
+  return {0, 0};
+}
+
 // Dropout multipliers (0 or 1/(1-p)) of the four scores at flat indices first..first+3 of the contiguous
 // (B, H, Lq, Lk) score layout, from at most two Philox blocks (each block gives four consecutive indices).
 template <typename Acc>

@@ -47,6 +47,7 @@ struct SoftmaxRowsParams {
   T* weights;               // forward: softmax * dropout multipliers; backward: the same, recomputed
   T* grad_scores;           // backward: dL/d(q @ k^T), zero where masked, scale folded in
   Acc* lse;                 // forward: (B, H, Lq)
+  const Acc* saved_lse;     // backward: the forward's lse
   int64_t rows;             // B * H * Lq
   int heads, len_q, len_k;
   const bool* mask;

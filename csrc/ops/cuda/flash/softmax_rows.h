@@ -1,6 +1,7 @@
 // The weights-kept path's row kernels: the scores come from cuBLAS (Acc, contiguous (B, H, Lq, Lk)) and one
 // thread block per row applies scale, mask and softmax (with the dropout multipliers) in one pass of reads
-// and one of writes; the backward recomputes the softmax and forms dS = P (dW Z - rowsum(dW Z P)).
+// and one of writes; the backward recomputes P from the saved log-sum-exp and forms
+// dS = P (dW Z - rowsum(dW Z P)).
 #pragma once
 
 #include "ops/cuda/flash/kernel_common.h"
@@ -25,7 +26,7 @@ FASTMHA_DEVICE Acc block_reduce(const Ctx& ctx, Acc* scratch, Acc value, Op op) 
 }
 
 // A row's masked, scaled scores and their softmax statistics (max and sum of exp).
-template <typename T, typename Acc>
+template <typename Acc>
 struct ScoreRow {
   const Acc* scores;
   MaskView mask;
@@ -36,7 +37,7 @@ struct ScoreRow {
 
 template <typename T, typename Acc, typename Ctx>
 FASTMHA_DEVICE void softmax_statistics(const Ctx& ctx, const SoftmaxRowsParams<T, Acc>& p, Acc* scratch,
-                                       const ScoreRow<T, Acc>& score, Acc* max_out, Acc* sum_out) {
+                                       const ScoreRow<Acc>& score, Acc* max_out, Acc* sum_out) {
   Acc m = -Acc(INFINITY);
   for (int j = ctx.thread(); j < p.len_k; j += Ctx::kThreads) {
     const Acc s = score(j);
@@ -52,7 +53,7 @@ FASTMHA_DEVICE void softmax_statistics(const Ctx& ctx, const SoftmaxRowsParams<T
 }
 
 template <typename T, typename Acc>
-FASTMHA_DEVICE ScoreRow<T, Acc> score_row(const SoftmaxRowsParams<T, Acc>& p, int64_t row) {
+FASTMHA_DEVICE ScoreRow<Acc> score_row(const SoftmaxRowsParams<T, Acc>& p, int64_t row) {
   return {p.scores + row * p.len_k, MaskView::of(p, row / p.len_q), row % p.len_q, p.scale};
 }
 
@@ -60,11 +61,7 @@ FASTMHA_DEVICE ScoreRow<T, Acc> score_row(const SoftmaxRowsParams<T, Acc>& p, in
 template <typename T, typename Acc, typename Ctx, typename Visit>
 FASTMHA_DEVICE void for_each_key_with_dropout(const Ctx& ctx, const SoftmaxRowsParams<T, Acc>& p, int64_t row,
                                               Visit visit) {
-  uint64_t seed = 0, offset = 0;
-  if (p.dropout_p > 0.0f) {
-    seed = static_cast<uint64_t>(p.rng_state[0]);
-    offset = static_cast<uint64_t>(p.rng_state[1]);
-  }
+  const auto [seed, offset] = dropout_stream(p);
   for (int j0 = 4 * ctx.thread(); j0 < p.len_k; j0 += 4 * Ctx::kThreads) {
     Acc keep[4] = {1, 1, 1, 1};
     if (p.dropout_p > 0.0f) {
@@ -94,20 +91,20 @@ template <typename T, typename Acc, typename Ctx>
 FASTMHA_DEVICE void softmax_backward_row(const Ctx& ctx, const SoftmaxRowsParams<T, Acc>& p, Acc* scratch,
                                          int64_t row) {
   const auto score = score_row(p, row);
-  Acc m, sum;
-  softmax_statistics(ctx, p, scratch, score, &m, &sum);
-  const Acc inverse = Acc(1) / sum;
+  // P from the forward's log-sum-exp; a row masked everywhere is uniform (its fp32 lse is too coarse).
+  const Acc lse = p.saved_lse[row];
+  const bool uniform = masked_everywhere(lse);
+  auto prob = [&](int j) { return uniform ? Acc(1) / Acc(p.len_k) : exp_acc(score(j) - lse); };
   const Acc* grad_weights = p.grad_weights + row * p.len_k;
   Acc dot = 0;  // sum_j dP_j P_j with dP = dW Z
-  for_each_key_with_dropout(ctx, p, row,
-                            [&](int j, Acc keep) { dot += grad_weights[j] * keep * exp_acc(score(j) - m) * inverse; });
+  for_each_key_with_dropout(ctx, p, row, [&](int j, Acc keep) { dot += grad_weights[j] * keep * prob(j); });
   dot = block_reduce(ctx, scratch, dot, SumOp{});
   T* weights = p.weights + row * p.len_k;
   T* grad_scores = p.grad_scores + row * p.len_k;
   for_each_key_with_dropout(ctx, p, row, [&](int j, Acc keep) {
-    const Acc prob = exp_acc(score(j) - m) * inverse;
-    weights[j] = T(prob * keep);
-    grad_scores[j] = score.mask.masked(score.i, j) ? T(0.0f) : T(prob * (grad_weights[j] * keep - dot) * p.scale);
+    const Acc prob_j = prob(j);
+    weights[j] = T(prob_j * keep);
+    grad_scores[j] = score.mask.masked(score.i, j) ? T(0.0f) : T(prob_j * (grad_weights[j] * keep - dot) * p.scale);
   });
 }
 
