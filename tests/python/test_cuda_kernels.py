@@ -6,6 +6,10 @@ masks of several dtypes with fully masked rows, is_causal with block skipping, d
 by both paths, replayed by the backward), strided inputs, side streams, CUDA graphs and gradcheck in float64.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import TOLERANCES
@@ -219,10 +223,6 @@ def test_nan_and_inf_propagate_like_the_oracle(need_weights, where, value):
 
 def test_our_kernels_agree_with_the_aten_path(tmp_path):
     # The same calls in a process with FASTMHA_CUDA_KERNELS=aten (the foundation's ATen implementation).
-    import os
-    import subprocess
-    import sys
-
     script = tmp_path / "calls.py"
     script.write_text(
         "import sys, torch, fastmha\n"
