@@ -37,6 +37,7 @@ if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
   export PATH="$PATH:/usr/local/cuda/bin"
 fi
 export MAX_JOBS="${MAX_JOBS:-2}"
-echo "[setup] building fastmha (MAX_JOBS=$MAX_JOBS, TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-8.0;9.0})"
-.venv/bin/pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v "^\s*$" || true
+echo "[setup] building fastmha (MAX_JOBS=$MAX_JOBS, TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-8.0;9.0+PTX})"
+# (The filter only drops blank lines; a failed build still fails this script.)
+.venv/bin/pip install -q --no-build-isolation --no-deps -e . 2>&1 | { grep -v "^\s*$" || true; }
 .venv/bin/python -c "import fastmha; print('[setup] fastmha', fastmha.__version__, fastmha.build_info)"

@@ -4,8 +4,8 @@
 // after another in an order that ScheduleScope can reverse or shuffle: a missing barrier (thread a reads what
 // thread b writes in the same phase) then gives wrong results under some order instead of hiding. Blocks run one after
 // another. A warp's 16x16 tensor-core product is computed by its first lane in fp32 from the same operands (the GPU's
-// WMMA call is the one part not exercised here). Shared memory starts as NaN bytes, so a read of anything
-// the kernel did not write shows up in the results.
+// WMMA call is the one part not exercised here). Shared memory and fiber stacks start as NaN bytes, so a read of
+// anything the kernel did not write shows up in the results.
 #pragma once
 
 #include <ucontext.h>
@@ -96,11 +96,14 @@ class FiberBlock {
  private:
   static constexpr size_t kStackBytes = 256 * 1024;
 
-  // Fiber stacks, allocated once per OS thread and reused by every block (uninitialised: no page touching).
+  // Fiber stacks, allocated once per OS thread and reused by every block. They start as NaN bytes, like
+  // shared memory, so a kernel local read before it is written shows up in the results on every machine
+  // instead of reading whatever the allocator handed out (zeros on one run, old values on another).
   static std::vector<std::unique_ptr<char[]>>& stack_pool(size_t count) {
     static thread_local std::vector<std::unique_ptr<char[]>> stacks;
     while (stacks.size() < count) {
       stacks.emplace_back(new char[kStackBytes]);
+      std::memset(stacks.back().get(), 0xFF, kStackBytes);
     }
     return stacks;
   }

@@ -8,7 +8,9 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 
 #include "emulated_threads.h"
@@ -80,12 +82,16 @@ struct Reference {
   at::Tensor out, weights, lse, grad_q, grad_k, grad_v;
 };
 
+// A @ B^T over the last two dims as an elementwise product and a sum, so the oracle does not depend on the BLAS
+// (or its code path for this CPU) that at::matmul would pick.
+at::Tensor products(const at::Tensor& a, const at::Tensor& b) { return (a.unsqueeze(-2) * b.unsqueeze(-3)).sum(-1); }
+
 // Formulas in float64 with autograd: scores = q k^T / sqrt(d_k); masked -> -1e9; softmax; dropout; @ v.
 Reference reference(const Case& c, const Inputs& in, bool with_grad_weights) {
   auto q = in.q.to(at::kDouble).detach().requires_grad_(true);
   auto k = in.k.to(at::kDouble).detach().requires_grad_(true);
   auto v = in.v.to(at::kDouble).detach().requires_grad_(true);
-  auto scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(c.d_k));
+  auto scores = products(q, k) / std::sqrt(static_cast<double>(c.d_k));
   auto masked = at::zeros({c.len_q, c.len_k}, at::kBool);
   if (c.causal) {
     masked = at::ones({c.len_q, c.len_k}, at::kBool).triu(1);
@@ -98,7 +104,7 @@ Reference reference(const Case& c, const Inputs& in, bool with_grad_weights) {
   if (c.dropout_p > 0) {
     weights = weights * multipliers(c, in.rng_state);
   }
-  auto out = at::matmul(weights, v);
+  auto out = products(weights, v.transpose(-2, -1));
   auto loss = (out * in.grad_out.to(at::kDouble)).sum();
   if (with_grad_weights) {
     loss = loss + (weights * in.grad_weights.to(at::kDouble)).sum();
@@ -107,21 +113,33 @@ Reference reference(const Case& c, const Inputs& in, bool with_grad_weights) {
   return {out.detach(), weights.detach(), at::logsumexp(scores, -1).detach(), grads[0], grads[1], grads[2]};
 }
 
-double tolerance(at::ScalarType dtype) {
+// The bound on |kernel - float64 oracle| relative to max(1, max |want|), from the dtype's epsilon and the
+// longest reduction n (a key row, or a head vector).
+//  - float/double: the kernels accumulate in their own dtype. A sum of n rounded terms of random sign errs
+//    like sqrt(n) * eps (the probabilistic bound; the worst case n * eps is never approached by random
+//    data), and a result passes through a chain of a few such steps (product, exp and sum, division or log,
+//    then the gradient's two products): 8 * sqrt(n) * eps covers it.
+//  - float16/bfloat16: accumulation is fp32, so the error is the rounding to the dtype: the operands P and
+//    dS are rounded once each, and the result once more (eps / 2 each, relative): 4 * eps covers it.
+double tolerance(at::ScalarType dtype, int64_t n) {
   switch (dtype) {
     case at::kDouble:
-      return 1e-10;
+      return 8.0 * std::sqrt(static_cast<double>(n)) * std::numeric_limits<double>::epsilon();
     case at::kFloat:
-      return 2e-5;
+      return 8.0 * std::sqrt(static_cast<double>(n)) * std::numeric_limits<float>::epsilon();
     case at::kHalf:
-      return 5e-3;
+      return 4.0 * static_cast<double>(std::numeric_limits<c10::Half>::epsilon());
     default:
-      return 2e-2;
+      return 4.0 * static_cast<double>(std::numeric_limits<c10::BFloat16>::epsilon());
   }
 }
 
+// The longest sum in any result: over keys (outputs, softmax), queries (dK, dV) or a head vector (scores).
+int64_t longest_reduction(const Case& c) { return std::max({c.len_q, c.len_k, c.d_k, c.d_v}); }
+
 // max |got - want| relative to max(1, max |want|).
-void require_close(const at::Tensor& got, const at::Tensor& want, at::ScalarType dtype, const std::string& what) {
+void require_close(const at::Tensor& got, const at::Tensor& want, at::ScalarType dtype, int64_t n,
+                   const std::string& what) {
   const auto g = got.to(at::kDouble), w = want.to(at::kDouble);
   REQUIRE(g.sizes() == w.sizes());
   if (w.numel() == 0) {
@@ -130,11 +148,12 @@ void require_close(const at::Tensor& got, const at::Tensor& want, at::ScalarType
   const double scale = std::max(1.0, w.abs().max().item<double>());
   const double error = (g - w).abs().max().item<double>() / scale;
   INFO(what << ": relative error " << error);
-  CHECK(error <= tolerance(dtype));
+  CHECK(error <= tolerance(dtype, n));
 }
 
 template <typename T, typename Acc, int DP>
 void check_flash(const Case& c, const Inputs& in, at::ScalarType dtype) {
+  const int64_t longest = longest_reduction(c);
   const auto mask_view = fastmha::broadcast_mask(in.mask.defined() ? std::optional(in.mask) : std::nullopt, in.q, in.k);
   auto p = flash_params<T, Acc>(in.q, in.k, in.v, mask_view, c.dropout_p, c.causal, in.rng_state);
   const auto acc = at::toOpMathType(dtype);
@@ -148,10 +167,10 @@ void check_flash(const Case& c, const Inputs& in, at::ScalarType dtype) {
     flash_forward_block<T, Acc, DP>(ctx, p, smem, b / query_blocks, static_cast<int>(b % query_blocks));
   });
   const auto want = reference(c, in, /*with_grad_weights=*/false);
-  require_close(out, want.out, dtype, "flash output");
+  require_close(out, want.out, dtype, longest, "flash output");
   // A fully masked row's lse is -1e9 + log(Lk): compare the others, and those only by the masked test.
   const auto live = want.lse > -1e8;
-  require_close(lse.to(at::kDouble).masked_select(live), want.lse.masked_select(live), dtype, "flash lse");
+  require_close(lse.to(at::kDouble).masked_select(live), want.lse.masked_select(live), dtype, longest, "flash lse");
   const bool dead_rows_low = at::all(lse.to(at::kDouble).masked_select(live.logical_not()) < -1e8).item<bool>();
   CHECK(dead_rows_low);
 
@@ -171,13 +190,14 @@ void check_flash(const Case& c, const Inputs& in, at::ScalarType dtype) {
   run_blocks<kFlashThreads>(p.batch_heads * key_blocks, Backward::kSharedBytes, [&](auto ctx, char* smem, int64_t b) {
     flash_backward_block<T, Acc, DP>(ctx, p, smem, b / key_blocks, static_cast<int>(b % key_blocks));
   });
-  require_close(grad_q, want.grad_q, dtype, "flash grad_q");
-  require_close(grad_k, want.grad_k, dtype, "flash grad_k");
-  require_close(grad_v, want.grad_v, dtype, "flash grad_v");
+  require_close(grad_q, want.grad_q, dtype, longest, "flash grad_q");
+  require_close(grad_k, want.grad_k, dtype, longest, "flash grad_k");
+  require_close(grad_v, want.grad_v, dtype, longest, "flash grad_v");
 }
 
 template <typename T, typename Acc>
 void check_softmax_rows(const Case& c, const Inputs& in, at::ScalarType dtype) {
+  const int64_t longest = longest_reduction(c);
   const auto acc = at::toOpMathType(dtype);
   const auto mask_view = fastmha::broadcast_mask(in.mask.defined() ? std::optional(in.mask) : std::nullopt, in.q, in.k);
   // The scores as cuBLAS gives them: the product of the dtype's values, in the accumulation dtype.
@@ -192,9 +212,9 @@ void check_softmax_rows(const Case& c, const Inputs& in, at::ScalarType dtype) {
     softmax_forward_row<T, Acc>(ctx, p, reinterpret_cast<Acc*>(smem), row);
   });
   const auto want = reference(c, in, /*with_grad_weights=*/true);
-  require_close(weights, want.weights, dtype, "softmax weights");
+  require_close(weights, want.weights, dtype, longest, "softmax weights");
   const auto live = want.lse > -1e8;
-  require_close(lse.to(at::kDouble).masked_select(live), want.lse.masked_select(live), dtype, "softmax lse");
+  require_close(lse.to(at::kDouble).masked_select(live), want.lse.masked_select(live), dtype, longest, "softmax lse");
 
   const auto grad_weights =
       (at::matmul(in.grad_out.to(acc), in.v.to(acc).transpose(-2, -1)) + in.grad_weights.to(acc)).contiguous();
@@ -206,10 +226,11 @@ void check_softmax_rows(const Case& c, const Inputs& in, at::ScalarType dtype) {
   run_blocks<kRowThreads>(p.rows, scratch_bytes, [&](auto ctx, char* smem, int64_t row) {
     softmax_backward_row<T, Acc>(ctx, p, reinterpret_cast<Acc*>(smem), row);
   });
-  require_close(weights, want.weights, dtype, "softmax backward weights");
+  require_close(weights, want.weights, dtype, longest, "softmax backward weights");
   const auto ds = grad_scores.to(at::kDouble);
-  require_close(at::matmul(ds, in.k.to(at::kDouble)), want.grad_q, dtype, "softmax grad_q");
-  require_close(at::matmul(ds.transpose(-2, -1), in.q.to(at::kDouble)), want.grad_k, dtype, "softmax grad_k");
+  require_close(products(ds, in.k.to(at::kDouble).transpose(-2, -1)), want.grad_q, dtype, longest, "softmax grad_q");
+  require_close(products(ds.transpose(-2, -1), in.q.to(at::kDouble).transpose(-2, -1)), want.grad_k, dtype, longest,
+                "softmax grad_k");
 }
 
 template <typename T, typename Acc>
