@@ -24,9 +24,22 @@ struct Block {
   uint32_t word[4];
 };
 
+// The 128-bit Philox counter of block `counter` of a call's stream, laid out as curand and PyTorch's own CUDA
+// kernels lay theirs out: the low 64 bits are the stream position (offset / 4, offsets count 32-bit words)
+// and the high 64 bits the subsequence, here the block index. Each call reserves its own offset from the
+// generator, so its (position, subsequence) pairs are ones no other torch op of that generator draws.
+FASTMHA_HOST_DEVICE void counter_words(uint64_t offset, uint64_t counter, uint32_t c[4]) {
+  const uint64_t position = offset >> 2;
+  c[0] = static_cast<uint32_t>(position);
+  c[1] = static_cast<uint32_t>(position >> 32);
+  c[2] = static_cast<uint32_t>(counter);
+  c[3] = static_cast<uint32_t>(counter >> 32);
+}
+
 FASTMHA_HOST_DEVICE Block random4(uint64_t seed, uint64_t offset, uint64_t counter) {
-  uint32_t c0 = static_cast<uint32_t>(counter), c1 = static_cast<uint32_t>(counter >> 32);
-  uint32_t c2 = static_cast<uint32_t>(offset), c3 = static_cast<uint32_t>(offset >> 32);
+  uint32_t c[4];
+  counter_words(offset, counter, c);
+  uint32_t c0 = c[0], c1 = c[1], c2 = c[2], c3 = c[3];
   uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
   for (int round = 0; round < 10; ++round) {
     uint32_t hi0, hi1;

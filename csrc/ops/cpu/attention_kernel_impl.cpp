@@ -104,11 +104,12 @@ void fill_keep(const AttentionInputs<T>& in, uint64_t first, int64_t n, std::vec
   for (int64_t b0 = 0; b0 < blocks; b0 += kLanes) {
     uint32_t c0[kLanes], c1[kLanes], c2[kLanes], c3[kLanes];
     for (int64_t l = 0; l < kLanes; ++l) {
-      const uint64_t counter = first_block + static_cast<uint64_t>(b0 + l);
-      c0[l] = static_cast<uint32_t>(counter);
-      c1[l] = static_cast<uint32_t>(counter >> 32);
-      c2[l] = static_cast<uint32_t>(in.offset);
-      c3[l] = static_cast<uint32_t>(in.offset >> 32);
+      uint32_t c[4];
+      philox::counter_words(in.offset, first_block + static_cast<uint64_t>(b0 + l), c);
+      c0[l] = c[0];
+      c1[l] = c[1];
+      c2[l] = c[2];
+      c3[l] = c[3];
     }
     uint32_t k0 = static_cast<uint32_t>(in.seed), k1 = static_cast<uint32_t>(in.seed >> 32);
     for (int round = 0; round < 10; ++round) {
