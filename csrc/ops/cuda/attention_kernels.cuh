@@ -1,15 +1,16 @@
 // The __global__ wrappers around the kernel bodies and their launches; included once per dtype by
-// attention_kernels_<dtype>.cu so the instantiations compile in parallel and rebuild separately.
+// attention_kernels_<dtype>.cu so the instantiations compile in parallel and rebuild separately. The launch
+// code calls the CUDA runtime directly (not through torch), so the launch test can run it against a stand-in
+// runtime (tests/cuda_launch/).
 #pragma once
 
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAFunctions.h>
 #include <c10/util/Exception.h>
 
 #include <climits>
 #include <mutex>
 
 #include "ops/cuda/attention_kernels.h"
+#include "ops/cuda/cuda_check.h"
 #include "ops/cuda/device_threads.cuh"
 #include "ops/cuda/flash/flash_backward.h"
 #include "ops/cuda/flash/flash_forward.h"
@@ -56,38 +57,41 @@ inline unsigned int grid_size(int64_t blocks, const char* what) {
 }
 
 // Opts a kernel in to its dynamic shared memory (above the 48 KiB default), once per kernel and device (so a
-// CUDA graph capture after the usual warm-up makes no attribute calls), and launches it.
-template <typename Kernel, typename Params>
-void launch_tiled(Kernel kernel, size_t shared_bytes, int64_t blocks, int per_head, const Params& p,
-                  cudaStream_t stream, const char* what) {
+// CUDA graph capture after the usual warm-up makes no attribute calls), and launches it. The kernel is a
+// template argument, not a function parameter: all kernels of one dtype share one function type, and the
+// once-flags below must belong to one kernel each (the attribute is set per function).
+template <auto kernel, typename Params>
+void launch_tiled(size_t shared_bytes, int64_t blocks, int per_head, const Params& p, cudaStream_t stream,
+                  const char* what) {
   if (blocks == 0) {
     return;
   }
   static std::once_flag opted_in[kMaxDevices];
-  const c10::DeviceIndex device = c10::cuda::current_device();
+  int device = 0;
+  FASTMHA_CUDA_CHECK(cudaGetDevice(&device));
   TORCH_CHECK(device >= 0 && device < kMaxDevices, "fastmha: CUDA device index ", device, " out of range");
   std::call_once(opted_in[device], [&] {
-    C10_CUDA_CHECK(
+    FASTMHA_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes)));
   });
   kernel<<<grid_size(blocks, what), kFlashThreads, shared_bytes, stream>>>(p, per_head);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  check_launch(what);
 }
 
 template <int DP, typename T, typename Acc>
 void flash_forward_for(const AttentionParams<T, Acc>& p, cudaStream_t stream) {
   using Tiles = ForwardTiles<T, Acc, DP>;
   const int query_blocks = (p.len_q + Tiles::kRows - 1) / Tiles::kRows;
-  launch_tiled(flash_forward_kernel<T, Acc, DP>, Tiles::kSharedBytes, p.batch_heads * query_blocks, query_blocks, p,
-               stream, "the attention forward");
+  launch_tiled<flash_forward_kernel<T, Acc, DP>>(Tiles::kSharedBytes, p.batch_heads * query_blocks, query_blocks, p,
+                                                 stream, "the attention forward");
 }
 
 template <int DP, typename T, typename Acc>
 void flash_backward_for(const AttentionParams<T, Acc>& p, cudaStream_t stream) {
   using Tiles = BackwardTiles<T, Acc, DP>;
   const int key_blocks = (p.len_k + Tiles::kCols - 1) / Tiles::kCols;
-  launch_tiled(flash_backward_kernel<T, Acc, DP>, Tiles::kSharedBytes, p.batch_heads * key_blocks, key_blocks, p,
-               stream, "the attention backward");
+  launch_tiled<flash_backward_kernel<T, Acc, DP>>(Tiles::kSharedBytes, p.batch_heads * key_blocks, key_blocks, p,
+                                                  stream, "the attention backward");
 }
 
 template <typename T, typename Acc>
@@ -114,7 +118,7 @@ void launch_softmax_forward(const SoftmaxRowsParams<T, Acc>& p, cudaStream_t str
     return;
   }
   softmax_forward_kernel<T, Acc><<<grid_size(p.rows, "the attention softmax"), kRowThreads, 0, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  check_launch("the attention softmax");
 }
 
 template <typename T, typename Acc>
@@ -123,7 +127,7 @@ void launch_softmax_backward(const SoftmaxRowsParams<T, Acc>& p, cudaStream_t st
     return;
   }
   softmax_backward_kernel<T, Acc><<<grid_size(p.rows, "the attention softmax backward"), kRowThreads, 0, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  check_launch("the attention softmax backward");
 }
 
 }  // namespace fastmha::cuda_kernels

@@ -16,4 +16,7 @@ void launch_softmax_forward(const SoftmaxRowsParams<T, Acc>& p, cudaStream_t str
 template <typename T, typename Acc>
 void launch_softmax_backward(const SoftmaxRowsParams<T, Acc>& p, cudaStream_t stream);
 
+// Whether the library holds code (SASS or PTX) that the current device can run.
+bool kernel_image_available();
+
 }  // namespace fastmha::cuda_kernels
