@@ -19,12 +19,13 @@ __version__: str = build_info["version"]
 cmake_prefix_path: str = os.path.dirname(os.path.abspath(__file__))
 
 from .modules import MultiHeadAttentionBlock  # noqa: E402
-from .ops import attention, multi_head_attention  # noqa: E402
+from .ops import attention, explain, multi_head_attention  # noqa: E402
 from .serialization import load_cpp_state_dict  # noqa: E402
 
 __all__ = [
     "MultiHeadAttentionBlock",
     "attention",
+    "explain",
     "multi_head_attention",
     "load_cpp_state_dict",
     "build_info",

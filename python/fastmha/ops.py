@@ -47,3 +47,22 @@ def multi_head_attention(
         query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p, need_weights, is_causal
     )
     return output, (weights if need_weights else None)
+
+
+def explain(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    need_weights: bool = True,
+    is_causal: bool = False,
+) -> str:
+    """Which kernels ``attention(query, key, value, mask, dropout_p, need_weights, is_causal)`` runs, and why.
+
+    Returns two lines, ``"forward <kernel>: <reason>"`` and ``"backward <kernel>: <reason>"``; a kernel is one of
+    ``fastmha-cpu``, ``torch-cpu-flash``, ``fastmha-cuda``, ``torch-cuda-sdpa`` and ``aten-composite``. The
+    block (``multi_head_attention``) makes the same choices for its heads-split tensors. Set
+    ``FASTMHA_LOG_KERNELS=1`` to have every call print its choice to stderr.
+    """
+    return torch.ops.fastmha._explain(query, key, value, mask, dropout_p, need_weights, is_causal)

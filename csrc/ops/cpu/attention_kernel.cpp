@@ -14,6 +14,8 @@
 #include "ops/checks.h"
 #include "ops/cpu/attention_params.h"
 #include "ops/cpu/cpu_capability.h"
+#include "ops/kernel_choice.h"
+#include "ops/stock/stock_attention.h"
 
 namespace fastmha {
 namespace {
@@ -100,6 +102,10 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
                                                         const at::Tensor& value, const std::optional<at::Tensor>& mask,
                                                         double dropout_p, bool need_weights, bool is_causal) {
   check_attention_inputs(query, key, value, mask, dropout_p);
+  const AttentionCall call{query, key, value, mask, dropout_p, need_weights, is_causal};
+  if (choose_kernel_logged(call).kernel == AttentionKernel::kStockCpu) {
+    return stock::attention_forward(query, key, value, mask, is_causal);
+  }
   const auto dtype = query.scalar_type();
   const auto acc = at::toOpMathType(dtype);
   const int64_t batch = query.size(0), heads = query.size(1), len_q = query.size(2), len_k = key.size(2);
@@ -125,6 +131,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights, const at::Tensor& query,
     const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& mask, const at::Tensor& output,
     const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p, bool is_causal) {
+  const AttentionCall call{query, key, value, mask, dropout_p, weights_kept(grad_weights), is_causal, Pass::kBackward};
+  if (choose_kernel_logged(call).kernel == AttentionKernel::kStockCpu) {
+    return stock::attention_backward(grad_output, query, key, value, mask, output, logsumexp, is_causal);
+  }
   const auto acc = at::toOpMathType(query.scalar_type());
   const int64_t batch = query.size(0), heads = query.size(1), len_q = query.size(2), len_k = key.size(2);
   const int64_t d_k = query.size(3), d_v = value.size(3);

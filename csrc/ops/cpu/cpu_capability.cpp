@@ -40,4 +40,22 @@ std::string capability_name() {
   }
 }
 
+bool native_bfloat16_products() {
+#ifdef FASTMHA_CPU_X86
+  static const bool native = __builtin_cpu_supports("avx512bf16") || __builtin_cpu_supports("amx-bf16");
+  return native;
+#else
+  return false;
+#endif
+}
+
+bool native_float16_products() {
+#ifdef FASTMHA_CPU_X86
+  static const bool native = __builtin_cpu_supports("avx512fp16");
+  return native;
+#else
+  return false;
+#endif
+}
+
 }  // namespace fastmha::cpu

@@ -11,4 +11,9 @@ enum class Capability { DEFAULT, AVX2, AVX512 };
 Capability capability();
 std::string capability_name();
 
+// Whether the processor multiplies bfloat16 / float16 natively (AVX512-BF16 or AMX-BF16; AVX512-FP16), which
+// torch's CPU kernels use and fastmha's (which widen half types to fp32) do not.
+bool native_bfloat16_products();
+bool native_float16_products();
+
 }  // namespace fastmha::cpu

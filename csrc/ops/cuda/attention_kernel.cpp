@@ -1,16 +1,15 @@
-// CUDA kernels of the attention core. Weights not kept: the flash kernels (ops/cuda/flash/), no Lq x Lk
-// buffer. Weights kept: scores from cuBLAS in the accumulation dtype, then one fused scale + mask + softmax +
-// dropout kernel per row. Head sizes above 256, empty inputs and GPUs with under 160 KiB of shared memory
-// per block take the ATen implementation, as does everything when FASTMHA_CUDA_KERNELS=aten (a comparison
-// and safety switch). Every launch runs on the inputs' device and its current stream.
+// CUDA kernels of the attention core. ops/kernel_choice.cpp decides which runs a call: torch's fused SDPA
+// kernels behind the contract layer (ops/stock/) for calls without kept weights or dropout; fastmha's own
+// kernels for kept weights (cuBLAS scores + one fused scale/mask/softmax/dropout kernel per row), and for the
+// rest with FASTMHA_CUDA_KERNELS=own (the flash kernels, no Lq x Lk buffer); the ATen composite otherwise.
+// Every launch runs on the inputs' device and its current stream.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <cstdlib>
-#include <cstring>
+#include <mutex>
 
 #include "ops/aten/attention_aten.h"
 #include "ops/broadcast_mask.h"
@@ -18,6 +17,8 @@
 #include "ops/cuda/attention_kernels.h"
 #include "ops/cuda/kernel_params_builder.h"
 #include "ops/cuda/scores_gemm.h"
+#include "ops/kernel_choice.h"
+#include "ops/stock/stock_attention.h"
 
 namespace fastmha {
 namespace {
@@ -26,24 +27,38 @@ using cuda_kernels::flash_params;
 using cuda_kernels::rows_params;
 using cuda_kernels::unit_stride_rows;
 
-bool aten_kernels_requested() {
-  static const bool requested = [] {
-    const char* value = std::getenv("FASTMHA_CUDA_KERNELS");
-    return value != nullptr && std::strcmp(value, "aten") == 0;
-  }();
-  return requested;
+constexpr int kMaxDevices = 64;
+
+// What the kernel choice needs to know about a GPU, found once per device.
+CudaDeviceFacts device_facts(const at::Device& device) {
+  static std::once_flag found[kMaxDevices];
+  static CudaDeviceFacts facts[kMaxDevices];
+  const auto index = device.index();
+  TORCH_CHECK(index >= 0 && index < kMaxDevices, "fastmha: CUDA device index ", index, " out of range");
+  std::call_once(found[index], [&] {
+    const auto* properties = at::cuda::getDeviceProperties(index);
+    facts[index].own_kernels_fit = properties->sharedMemPerBlockOptin >= cuda_kernels::kSharedBudget;
+    c10::cuda::CUDAGuard guard(device);
+    facts[index].has_kernel_image = cuda_kernels::kernel_image_available();
+    facts[index].device_name = std::string(properties->name) + " (sm_" + std::to_string(properties->major) +
+                               std::to_string(properties->minor) + ")";
+  });
+  return facts[index];
 }
 
-// The flash tiles need more shared memory per block than GPUs before sm_80 (and sm_86/89) can give.
-bool enough_shared_memory(const at::Device& device) {
-  return at::cuda::getDeviceProperties(device.index())->sharedMemPerBlockOptin >= cuda_kernels::kSharedBudget;
-}
+const bool facts_registered = [] {
+  set_cuda_facts_provider(&device_facts);
+  return true;
+}();
 
-// Our kernels take every non-empty call with head sizes up to 256 on GPUs with enough shared memory.
-bool fused_kernels_apply(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value) {
-  return !aten_kernels_requested() && query.numel() > 0 && key.numel() > 0 && value.numel() > 0 &&
-         query.size(3) <= cuda_kernels::kMaxFlashHeadDim && value.size(3) <= cuda_kernels::kMaxFlashHeadDim &&
-         enough_shared_memory(query.device());
+// The ATen composite draws its dropout with fastmha's Philox kernel, which needs code for the device.
+void check_dropout_runs(const at::Tensor& query, double dropout_p) {
+  if (dropout_p > 0) {
+    const auto facts = device_facts(query.device());
+    TORCH_CHECK(facts.has_kernel_image, "fastmha: dropout on ", facts.device_name,
+                " needs fastmha's CUDA code for that GPU, and this build holds code for CUDA archs ",
+                FASTMHA_CUDA_ARCHS, " only; rebuild with TORCH_CUDA_ARCH_LIST including its arch");
+  }
 }
 
 detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query, const at::Tensor& key,
@@ -51,7 +66,13 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
                                                         double dropout_p, bool need_weights, bool is_causal) {
   check_attention_inputs(query, key, value, mask, dropout_p);
   c10::cuda::CUDAGuard guard(query.device());
-  if (!fused_kernels_apply(query, key, value)) {
+  const AttentionCall call{query, key, value, mask, dropout_p, need_weights, is_causal};
+  const auto kernel = choose_kernel_logged(call).kernel;
+  if (kernel == AttentionKernel::kStockCuda) {
+    return stock::attention_forward(query, key, value, mask, is_causal);
+  }
+  if (kernel == AttentionKernel::kAten) {
+    check_dropout_runs(query, dropout_p);
     return aten_impl::attention_forward(query, key, value, mask, dropout_p, need_weights, is_causal,
                                         cuda_dropout_kernels());
   }
@@ -148,13 +169,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
     const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& mask, const at::Tensor& output,
     const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p, bool is_causal) {
   c10::cuda::CUDAGuard guard(query.device());
-  if (!fused_kernels_apply(query, key, value)) {
+  const AttentionCall call{query, key, value, mask, dropout_p, weights_kept(grad_weights), is_causal, Pass::kBackward};
+  const auto kernel = choose_kernel_logged(call).kernel;
+  if (kernel == AttentionKernel::kStockCuda) {
+    return stock::attention_backward(grad_output, query, key, value, mask, output, logsumexp, is_causal);
+  }
+  if (kernel == AttentionKernel::kAten) {
+    check_dropout_runs(query, dropout_p);
     return aten_impl::attention_backward(grad_output, grad_weights, query, key, value, mask, output, logsumexp,
                                          rng_state, dropout_p, is_causal, cuda_dropout_kernels());
   }
   const auto mask_view = broadcast_mask(mask, query, key);
   const auto state = rng_state.to(query.device(), at::kLong).contiguous();
-  if (grad_weights.has_value() && grad_weights->defined()) {
+  if (weights_kept(grad_weights)) {
     return weights_backward(grad_output, *grad_weights, query, key, value, mask_view, logsumexp, state, dropout_p,
                             is_causal);
   }

@@ -1,0 +1,111 @@
+"""The attention core's CPU kernels against each other and against torch's SDPA, to set and check the kernel
+choice (csrc/ops/kernel_choice.cpp).
+
+For each dtype, length and pass (forward under no_grad; forward + backward), one round runs, interleaved:
+  own    torch.ops.fastmha.attention with FASTMHA_CPU_KERNELS=own   (fastmha's fused kernels)
+  stock  the same op with FASTMHA_CPU_KERNELS=stock                 (torch's CPU flash kernel behind the layer)
+  auto   the same op with the default choice                        (what users get)
+  sdpa   F.scaled_dot_product_attention on the same tensors         (the peer)
+Inputs are (B, 8, L, 64), no mask, dropout 0, need_weights=False. Medians over --repeats rounds; ratios are
+sdpa time / kernel time (> 1: faster than SDPA). Results are stamped with the CPU model and ISA.
+
+    python benchmarks/bench_kernel_choice.py --out benchmarks/results/kernel-choice-DATE
+    python benchmarks/bench_kernel_choice.py --quick     # a smoke run (seconds)
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import fastmha
+from fastmha.info import cpu_lines
+
+KERNELS = ["own", "stock", "auto", "sdpa"]
+SIZES = [(16, 128), (4, 512), (2, 1024), (1, 4096)]  # (batch, length): about the same work each
+QUICK_SIZES = [(2, 64)]
+
+
+def run_once(kernel, q, k, v, backward):
+    if kernel != "sdpa":
+        os.environ["FASTMHA_CPU_KERNELS"] = kernel
+    start = time.perf_counter()
+    with torch.set_grad_enabled(backward):
+        if kernel == "sdpa":
+            out = F.scaled_dot_product_attention(q, k, v)
+        else:
+            out, _ = torch.ops.fastmha.attention(q, k, v, None, 0.0, False, False)
+        if backward:
+            out.backward(torch.ones_like(out))
+    return time.perf_counter() - start
+
+
+def measure(dtype, batch, length, backward, repeats):
+    q, k, v = (torch.randn(batch, 8, length, 64, dtype=dtype, requires_grad=backward) for _ in range(3))
+    times = {kernel: [] for kernel in KERNELS}
+    for kernel in KERNELS:  # warm-up
+        run_once(kernel, q, k, v, backward)
+    for _ in range(repeats):
+        for kernel in KERNELS:
+            times[kernel].append(run_once(kernel, q, k, v, backward))
+    os.environ.pop("FASTMHA_CPU_KERNELS", None)
+    choice = fastmha.explain(q, k, v, need_weights=False).splitlines()
+    medians = {kernel: statistics.median(t) for kernel, t in times.items()}
+    return {
+        "dtype": str(dtype).replace("torch.", ""), "batch": batch, "length": length,
+        "pass": "fwd+bwd" if backward else "fwd", "ms": {k: round(t * 1e3, 3) for k, t in medians.items()},
+        "sdpa_over": {k: round(medians["sdpa"] / medians[k], 3) for k in ("own", "stock", "auto")},
+        "auto_runs": [line.split(":")[0] for line in choice],
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="write OUT.json and OUT.md")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dtypes", default="float32,bfloat16,float16")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    sizes = QUICK_SIZES if args.quick else SIZES
+    repeats = 1 if args.quick else args.repeats
+    stamp = cpu_lines()
+    header = [f"fastmha {fastmha.__version__} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
+              f"{datetime.date.today()}", *stamp]
+    print("\n".join(header), flush=True)
+    rows = []
+    for dtype_name in args.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        for batch, length in sizes:
+            for backward in (False, True):
+                row = measure(dtype, batch, length, backward, repeats)
+                rows.append(row)
+                print(f"{row['dtype']:9s} B{batch:3d} L{length:5d} {row['pass']:8s} "
+                      + " ".join(f"{k} {row['ms'][k]:9.2f} ms" for k in KERNELS)
+                      + " | sdpa/own {own:.2f} sdpa/stock {stock:.2f} sdpa/auto {auto:.2f}".format(**row["sdpa_over"]),
+                      flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".json").write_text(json.dumps({"machine": header, "rows": rows}, indent=1) + "\n")
+        lines = ["# CPU kernel choice: fastmha's kernel, torch's flash kernel, the default choice, and SDPA", "",
+                 *[f"- {line}" for line in header], "",
+                 "(B, 8, L, 64), no mask, dropout 0, need_weights=False; medians of "
+                 f"{repeats}; ratio = SDPA time / kernel time (> 1: faster than SDPA).", "",
+                 "| dtype | B | L | pass | own ms | stock ms | auto ms | SDPA ms | SDPA/own | SDPA/stock | SDPA/auto "
+                 "| auto runs |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {r['dtype']} | {r['batch']} | {r['length']} | {r['pass']} | {r['ms']['own']} | "
+                         f"{r['ms']['stock']} | {r['ms']['auto']} | {r['ms']['sdpa']} | {r['sdpa_over']['own']} | "
+                         f"{r['sdpa_over']['stock']} | {r['sdpa_over']['auto']} | {', '.join(r['auto_runs'])} |")
+        args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+#include "ops/kernel_choice.h"
+
+#include <ATen/Context.h>
+#include <c10/util/Exception.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+#include "ops/cpu/cpu_capability.h"
+#include "ops/stock/stock_attention.h"
+
+namespace fastmha {
+namespace {
+
+CudaFactsProvider& cuda_facts_provider() {
+  static CudaFactsProvider provider = nullptr;
+  return provider;
+}
+
+// The value of a switch, or "auto". Read at every call, so set it before the first forward: a backward must
+// see what its forward saw.
+std::string switch_value(const char* name) {
+  const char* value = std::getenv(name);
+  return value == nullptr || *value == '\0' ? "auto" : value;
+}
+
+KernelChoice choose_cpu(const AttentionCall& call) {
+  const auto mode = switch_value("FASTMHA_CPU_KERNELS");
+  TORCH_CHECK(mode == "auto" || mode == "own" || mode == "stock",
+              "fastmha: FASTMHA_CPU_KERNELS must be auto, own or stock, got '", mode, "'");
+  using K = AttentionKernel;
+  if (call.need_weights) {
+    return {K::kOwnCpu, "the weights are kept: only fastmha's kernel returns them from a fused pass"};
+  }
+  if (call.dropout_p > 0) {
+    return {K::kOwnCpu, "dropout: torch's CPU flash kernel has none"};
+  }
+  if (call.query.numel() == 0 || call.key.numel() == 0 || call.value.numel() == 0) {
+    return {K::kOwnCpu, "an empty input"};
+  }
+  if (call.query.size(3) != call.value.size(3)) {
+    return {K::kOwnCpu, "d_k != d_v: torch's CPU flash kernel takes one head size"};
+  }
+  if (mode == "own") {
+    return {K::kOwnCpu, "FASTMHA_CPU_KERNELS=own"};
+  }
+  if (mode == "stock") {
+    return {K::kStockCpu, "FASTMHA_CPU_KERNELS=stock"};
+  }
+  // Measured with benchmarks/bench_kernel_choice.py (both kernels interleaved in one run; the results are in
+  // benchmarks/results/). Forward: torch's flash kernel is as fast or faster from 128 to 4096 keys in every
+  // dtype: it blocks the keys with an online softmax, while fastmha's kernel keeps whole score rows of a query
+  // chunk in cache. Backward: fastmha's kernel is as fast or faster in float32/float64 up to 2048 keys (past
+  // that its score rows outgrow the cache), and in half types unless the processor multiplies them natively
+  // (torch's backward then runs on those instructions; without them it is several times slower than ours).
+  if (call.pass == Pass::kForward) {
+    return {K::kStockCpu, "forward without kept weights or dropout: torch's CPU flash kernel is as fast or faster"};
+  }
+  const auto dtype = call.query.scalar_type();
+  if ((dtype == at::kBFloat16 && cpu::native_bfloat16_products()) ||
+      (dtype == at::kHalf && cpu::native_float16_products())) {
+    return {K::kStockCpu, "backward in a half type this processor multiplies natively: torch's CPU flash kernel"};
+  }
+  constexpr int64_t kOwnBackwardLongestKeys = 2048;
+  if (dtype != at::kBFloat16 && dtype != at::kHalf && call.key.size(2) > kOwnBackwardLongestKeys) {
+    return {K::kStockCpu, "backward with more than 2048 keys: torch's key-blocked CPU flash backward stays in cache"};
+  }
+  return {K::kOwnCpu, "backward without native half-type products: fastmha's kernel is as fast or faster"};
+}
+
+KernelChoice choose_cuda(const AttentionCall& call) {
+  using K = AttentionKernel;
+  const auto mode = switch_value("FASTMHA_CUDA_KERNELS");
+  TORCH_CHECK(mode == "auto" || mode == "own" || mode == "aten",
+              "fastmha: FASTMHA_CUDA_KERNELS must be auto, own or aten, got '", mode, "'");
+  if (mode == "aten") {
+    return {K::kAten, "FASTMHA_CUDA_KERNELS=aten"};
+  }
+  if (call.query.numel() == 0 || call.key.numel() == 0 || call.value.numel() == 0) {
+    return {K::kAten, "an empty input"};
+  }
+  const auto provider = cuda_facts_provider();
+  TORCH_CHECK(provider != nullptr,
+              "fastmha was built without CUDA kernels; rebuild it with a CUDA toolkit (nvcc) "
+              "to run on ",
+              call.query.device());
+  const auto facts = provider(call.query.device());
+  const bool head_fits = call.query.size(3) <= 256 && call.value.size(3) <= 256;
+  if (call.need_weights) {
+    if (!facts.has_kernel_image) {
+      return {K::kAten, "the weights are kept, and this library holds no code for " + facts.device_name};
+    }
+    return {K::kOwnCuda, "the weights are kept: cuBLAS scores and fastmha's fused softmax row kernels"};
+  }
+  if (mode == "own") {
+    if (!facts.has_kernel_image) {
+      return {K::kAten, "FASTMHA_CUDA_KERNELS=own, but this library holds no code for " + facts.device_name};
+    }
+    if (!facts.own_kernels_fit) {
+      return {K::kAten, "FASTMHA_CUDA_KERNELS=own, but " + facts.device_name +
+                            " gives a block less shared memory than fastmha's flash tiles need"};
+    }
+    if (!head_fits) {
+      return {K::kAten, "FASTMHA_CUDA_KERNELS=own, but fastmha's flash kernels take head sizes up to 256"};
+    }
+    if (at::globalContext().deterministicAlgorithms()) {
+      return {K::kAten,
+              "FASTMHA_CUDA_KERNELS=own, but deterministic algorithms are requested and fastmha's flash "
+              "backward adds dQ with atomics"};
+    }
+    return {K::kOwnCuda, "FASTMHA_CUDA_KERNELS=own"};
+  }
+  if (call.dropout_p > 0) {
+    return {K::kAten, "dropout: the ATen composite draws fastmha's reproducible Philox stream (the CPU's masks)"};
+  }
+  std::string why;
+  if (stock::cuda_backend(call.query, call.key, call.value, call.mask, call.is_causal, &why).has_value()) {
+    return {K::kStockCuda, "no kept weights or dropout: SDPA's fused kernel for this call"};
+  }
+  return {K::kAten, why};
+}
+
+}  // namespace
+
+const char* kernel_name(AttentionKernel kernel) {
+  switch (kernel) {
+    case AttentionKernel::kOwnCpu:
+      return "fastmha-cpu";
+    case AttentionKernel::kStockCpu:
+      return "torch-cpu-flash";
+    case AttentionKernel::kOwnCuda:
+      return "fastmha-cuda";
+    case AttentionKernel::kStockCuda:
+      return "torch-cuda-sdpa";
+    case AttentionKernel::kAten:
+      return "aten-composite";
+  }
+  return "unknown";
+}
+
+void set_cuda_facts_provider(CudaFactsProvider provider) { cuda_facts_provider() = provider; }
+
+KernelChoice choose_kernel(const AttentionCall& call) {
+  if (call.query.is_cpu()) {
+    return choose_cpu(call);
+  }
+  if (call.query.is_cuda()) {
+    return choose_cuda(call);
+  }
+  TORCH_CHECK(false, "fastmha: no kernels for device ", call.query.device());
+}
+
+KernelChoice choose_kernel_logged(const AttentionCall& call) {
+  auto choice = choose_kernel(call);
+  const char* what = call.pass == Pass::kForward ? "forward" : "backward";
+  const char* log = std::getenv("FASTMHA_LOG_KERNELS");
+  if (log != nullptr && std::strcmp(log, "1") == 0) {
+    std::ostringstream line;
+    line << "fastmha: " << what << " " << call.query.scalar_type() << " q" << call.query.sizes() << " k"
+         << call.key.sizes() << (call.mask.has_value() ? " masked" : "") << (call.is_causal ? " causal" : "")
+         << " dropout " << call.dropout_p << (call.need_weights ? " weights kept" : "") << " -> "
+         << kernel_name(choice.kernel) << " (" << choice.reason << ")\n";
+    std::fputs(line.str().c_str(), stderr);
+  }
+  return choice;
+}
+
+}  // namespace fastmha

@@ -1,0 +1,65 @@
+// The one place that decides which kernel runs a call of the attention core, on CPU and CUDA alike: a list
+// of small named checks, each of which can say why it refused (as SDPA's backend selection does). The
+// forward and the backward of a call are chosen separately (each where it measures faster): the saved
+// log-sum-exp means the same whichever kernel wrote it. `fastmha.explain(...)` shows both choices and their
+// reasons, and FASTMHA_LOG_KERNELS=1 prints them for every call.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <string>
+
+namespace fastmha {
+
+enum class AttentionKernel {
+  kOwnCpu,     // fastmha's fused CPU kernels (ops/cpu/)
+  kStockCpu,   // torch's CPU flash attention behind the contract layer (ops/stock/)
+  kOwnCuda,    // fastmha's CUDA kernels: flash (weights not kept) or cuBLAS + row kernels (weights kept)
+  kStockCuda,  // torch's CUDA flash or memory-efficient attention behind the contract layer
+  kAten,       // the ATen composite (ops/aten/): GEMMs, softmax, fastmha's dropout
+};
+
+const char* kernel_name(AttentionKernel kernel);
+
+enum class Pass { kForward, kBackward };
+
+// What a call asks for. `need_weights` is true for a backward whose forward kept the weights.
+struct AttentionCall {
+  const at::Tensor& query;
+  const at::Tensor& key;
+  const at::Tensor& value;
+  const std::optional<at::Tensor>& mask;
+  double dropout_p;
+  bool need_weights;
+  bool is_causal;
+  Pass pass = Pass::kForward;
+};
+
+struct KernelChoice {
+  AttentionKernel kernel;
+  std::string reason;  // why this kernel and not the one before it in the list
+};
+
+KernelChoice choose_kernel(const AttentionCall& call);
+
+// Whether a backward's forward kept the weights: the weights' gradient is passed (it may be undefined when
+// the weights were not used, and the dispatcher may turn that into no value; the saved log-sum-exp means the
+// same for every kernel, so a backward on another kernel than its forward's is still right).
+inline bool weights_kept(const std::optional<at::Tensor>& grad_weights) {
+  return grad_weights.has_value() && grad_weights->defined();
+}
+
+// choose_kernel, and the choice printed to stderr when FASTMHA_LOG_KERNELS=1.
+KernelChoice choose_kernel_logged(const AttentionCall& call);
+
+// Facts about a CUDA device that only CUDA code can find out (set by ops/cuda/ when it is compiled in).
+struct CudaDeviceFacts {
+  bool own_kernels_fit;   // enough shared memory per block for fastmha's flash tiles
+  bool has_kernel_image;  // the library holds code (SASS or PTX) that this device can run
+  std::string device_name;
+};
+using CudaFactsProvider = CudaDeviceFacts (*)(const at::Device&);
+void set_cuda_facts_provider(CudaFactsProvider provider);
+
+}  // namespace fastmha

@@ -1,0 +1,184 @@
+#include "ops/stock/stock_attention.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <limits>
+
+namespace fastmha::stock {
+namespace {
+
+// What the stock kernel is given instead of the user's query and mask (see the header).
+struct Prepared {
+  at::Tensor query;
+  std::optional<at::Tensor> bias;  // 0 / -inf in the query's dtype, broadcastable to (B, H, Lq, Lk)
+  bool is_causal = false;          // passed to the stock kernel
+  at::Tensor dead_rows;            // bool (..., Lq or 1, 1): rows with no visible key; undefined when none
+};
+
+at::Tensor as_4d(const at::Tensor& mask) {
+  auto sizes = mask.sizes().vec();
+  while (sizes.size() < 4) {
+    sizes.insert(sizes.begin(), 1);
+  }
+  return mask.reshape(sizes);
+}
+
+Prepared prepare(const at::Tensor& query, const at::Tensor& key, const std::optional<at::Tensor>& mask,
+                 bool is_causal) {
+  Prepared p;
+  p.query = query;
+  if (!mask.has_value()) {
+    p.is_causal = is_causal;
+    return p;
+  }
+  const int64_t len_q = query.size(2), len_k = key.size(2);
+  auto visible = as_4d(mask->ne(0).to(query.device()));
+  if (is_causal) {
+    visible = visible.logical_and(at::ones({len_q, len_k}, visible.options()).tril());
+  }
+  const auto dead = visible.any(-1, /*keepdim=*/true).logical_not();
+  // On the CPU a row with no visible key is rare and cheap to look for. On CUDA the look would synchronise
+  // the stream (and cannot run under graph capture), so the transformation always runs there.
+  if (!query.is_cpu() || dead.any().item<bool>()) {
+    visible = visible.logical_or(dead);
+    p.query = query.masked_fill(dead, 0);
+    p.dead_rows = dead;
+  }
+  const auto options = query.options();
+  p.bias = at::where(visible, at::scalar_tensor(0.0, options),
+                     at::scalar_tensor(-std::numeric_limits<double>::infinity(), options));
+  return p;
+}
+
+// The saved log-sum-exp is the op's, whichever kernel ran: that of the masked (-1e9) scaled scores. It differs
+// from the stock kernel's own only in the rows with no visible key (-1e9 + log Lk there, log Lk for the
+// stock kernel with the row's query zeroed), so a backward can take the forward of either kernel.
+at::Tensor dead_rows_of_lse(const Prepared& p) { return p.dead_rows.squeeze(-1); }
+
+at::Tensor to_contract_lse(const at::Tensor& stock_lse, const Prepared& p, const at::Tensor& key) {
+  if (!p.dead_rows.defined()) {
+    return stock_lse;
+  }
+  const double log_keys = std::log(static_cast<double>(key.size(2)));
+  return stock_lse.masked_fill(dead_rows_of_lse(p), -1e9 + log_keys);
+}
+
+at::Tensor to_stock_lse(const at::Tensor& lse, const Prepared& p, const at::Tensor& key) {
+  if (!p.dead_rows.defined()) {
+    return lse;
+  }
+  return lse.masked_fill(dead_rows_of_lse(p), std::log(static_cast<double>(key.size(2))));
+}
+
+double softmax_scale(const at::Tensor& query) { return 1.0 / std::sqrt(static_cast<double>(query.size(3))); }
+
+// The memory-efficient kernel wants the bias rows 16-element aligned and the full score shape (broadcast
+// through zero strides, as SDPA passes it).
+at::Tensor efficient_bias(const at::Tensor& bias, const at::Tensor& query, const at::Tensor& key) {
+  const int64_t len_k = key.size(2);
+  auto b = bias.expand({bias.size(0), bias.size(1), bias.size(2), len_k});
+  const int64_t pad = (16 - len_k % 16) % 16;
+  b = pad > 0 ? at::constant_pad_nd(b, {0, pad}).slice(-1, 0, len_k) : b.contiguous();
+  return b.expand({query.size(0), query.size(1), query.size(2), len_k});
+}
+
+// The memory-efficient kernel's log-sum-exp has rows padded to a multiple of 32.
+constexpr int64_t kEfficientLseAlign = 32;
+
+CudaBackend require_cuda_backend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                 const std::optional<at::Tensor>& mask, bool is_causal) {
+  std::string why;
+  const auto backend = cuda_backend(query, key, value, mask, is_causal, &why);
+  TORCH_CHECK(backend.has_value(), "fastmha: internal error: the stock CUDA path was chosen but ", why);
+  return *backend;
+}
+
+}  // namespace
+
+std::optional<CudaBackend> cuda_backend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                        const std::optional<at::Tensor>& mask, bool is_causal, std::string* why) {
+  // SDPA's own choice for tensors like the ones the layer passes (a bias of the query's dtype and the
+  // score shape stands in for the real one; the choice reads only its metadata).
+  std::optional<at::Tensor> bias_like;
+  if (mask.has_value()) {
+    bias_like =
+        at::empty({1, 1, 1, 1}, query.options()).expand({query.size(0), query.size(1), query.size(2), key.size(2)});
+  }
+  const int64_t choice =
+      at::_fused_sdp_choice(query, key, value, bias_like, 0.0, is_causal && !mask.has_value(), softmax_scale(query));
+  if (choice == static_cast<int64_t>(CudaBackend::kFlash) || choice == static_cast<int64_t>(CudaBackend::kEfficient)) {
+    return static_cast<CudaBackend>(choice);
+  }
+  if (why != nullptr) {
+    *why = "SDPA would run backend " + std::to_string(choice) +
+           " (not flash or memory-efficient) for this call; the layer wraps those two only";
+  }
+  return std::nullopt;
+}
+
+detail::AttentionForwardResult attention_forward(const at::Tensor& query, const at::Tensor& key,
+                                                 const at::Tensor& value, const std::optional<at::Tensor>& mask,
+                                                 bool is_causal) {
+  const auto p = prepare(query, key, mask, is_causal);
+  const double scale = softmax_scale(query);
+  at::Tensor output, logsumexp;
+  if (query.is_cpu()) {
+    std::tie(output, logsumexp) =
+        at::_scaled_dot_product_flash_attention_for_cpu(p.query, key, value, 0.0, p.is_causal, p.bias, scale);
+  } else if (require_cuda_backend(query, key, value, mask, is_causal) == CudaBackend::kFlash) {
+    auto result = at::_scaled_dot_product_flash_attention(p.query, key, value, 0.0, p.is_causal, false, scale);
+    output = std::get<0>(result);
+    logsumexp = std::get<1>(result);
+  } else {
+    const auto bias = p.bias.has_value() ? std::optional(efficient_bias(*p.bias, query, key)) : std::nullopt;
+    auto result = at::_scaled_dot_product_efficient_attention(p.query, key, value, bias, true, 0.0, p.is_causal, scale);
+    output = std::get<0>(result);
+    logsumexp = std::get<1>(result).slice(-1, 0, query.size(2)).contiguous();
+  }
+  // The stock kernels write (B, Lq, H, d) memory; the op's contract (and its Meta kernel) is contiguous.
+  return {output.contiguous(), at::empty({0}, query.options()), to_contract_lse(logsumexp, p, key),
+          at::zeros({2}, query.options().dtype(at::kLong))};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tensor& grad_output,
+                                                                  const at::Tensor& query, const at::Tensor& key,
+                                                                  const at::Tensor& value,
+                                                                  const std::optional<at::Tensor>& mask,
+                                                                  const at::Tensor& output,
+                                                                  const at::Tensor& saved_logsumexp, bool is_causal) {
+  const auto p = prepare(query, key, mask, is_causal);
+  const double scale = softmax_scale(query);
+  const auto grad_out = grad_output.to(query.scalar_type());
+  const auto logsumexp = to_stock_lse(saved_logsumexp, p, key);
+  at::Tensor grad_q, grad_k, grad_v;
+  if (query.is_cpu()) {
+    std::tie(grad_q, grad_k, grad_v) = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, p.query, key, value, output, logsumexp, 0.0, p.is_causal, p.bias, scale);
+  } else {
+    // Without dropout the kernels read no Philox state.
+    const auto unused_seed = at::zeros({}, query.options().dtype(at::kLong));
+    if (require_cuda_backend(query, key, value, mask, is_causal) == CudaBackend::kFlash) {
+      std::tie(grad_q, grad_k, grad_v) = at::_scaled_dot_product_flash_attention_backward(
+          grad_out, p.query, key, value, output, logsumexp, at::Tensor(), at::Tensor(), query.size(2), key.size(2), 0.0,
+          p.is_causal, unused_seed, unused_seed, scale);
+    } else {
+      const int64_t len_q = query.size(2);
+      const int64_t padded = (len_q + kEfficientLseAlign - 1) / kEfficientLseAlign * kEfficientLseAlign;
+      const auto lse = at::constant_pad_nd(logsumexp, {0, padded - len_q});
+      const auto bias = p.bias.has_value() ? efficient_bias(*p.bias, query, key) : at::Tensor();
+      auto grads = at::_scaled_dot_product_efficient_attention_backward(grad_out, p.query, key, value, bias, output,
+                                                                        lse, unused_seed, unused_seed, 0.0,
+                                                                        {true, true, true, false}, p.is_causal, scale);
+      grad_q = std::get<0>(grads);
+      grad_k = std::get<1>(grads);
+      grad_v = std::get<2>(grads);
+    }
+  }
+  if (p.dead_rows.defined()) {
+    grad_q = grad_q.masked_fill(p.dead_rows, 0);
+  }
+  return {grad_q, grad_k, grad_v};
+}
+
+}  // namespace fastmha::stock

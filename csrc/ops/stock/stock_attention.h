@@ -1,0 +1,42 @@
+// torch's own fused attention kernels (CPU flash; CUDA flash and memory-efficient) behind a thin layer that
+// keeps fastmha's contract exactly, for calls without kept weights and without dropout:
+//  - mask == 0 for masks of any dtype and broadcast shape: the mask becomes an additive 0 / -inf bias in its
+//    own (broadcast) shape. Next to one visible key a masked score contributes exp(-inf) = 0, exactly as
+//    exp(-1e9 - max) = 0 does in every dtype.
+//  - A row with no visible key is uniform over all keys (the -1e9 rule): its bias row is opened and its
+//    query row zeroed, so all its scores are 0. Its query gradient is zeroed again in the backward (the
+//    scores of such a row do not depend on the query), and its key gradient is 0 because its query is.
+//  - is_causal stays top-left aligned: it is passed through when there is no mask, and folded into the bias
+//    otherwise (a row that the mask and causality hide together is then uniform over all keys too).
+// The saved log-sum-exp keeps the op's meaning whichever kernel wrote it (that of the masked, scaled scores),
+// so a forward and a backward may run on different kernels.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "ops/attention_ops.h"
+
+namespace fastmha::stock {
+
+// SDPA's fused CUDA backends that the layer wraps (values of at::_fused_sdp_choice).
+enum class CudaBackend : int64_t { kFlash = 1, kEfficient = 2 };
+
+// The CUDA backend SDPA itself picks for this call after the layer's transformation, or nullopt (with the
+// reason in `why`) when SDPA would pick one the layer does not wrap (math, cuDNN) or none.
+std::optional<CudaBackend> cuda_backend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                        const std::optional<at::Tensor>& mask, bool is_causal, std::string* why);
+
+// (output, empty weights, logsumexp, zero rng_state), as the internal forward op returns them.
+detail::AttentionForwardResult attention_forward(const at::Tensor& query, const at::Tensor& key,
+                                                 const at::Tensor& value, const std::optional<at::Tensor>& mask,
+                                                 bool is_causal);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& grad_output, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const std::optional<at::Tensor>& mask, const at::Tensor& output, const at::Tensor& saved_logsumexp, bool is_causal);
+
+}  // namespace fastmha::stock

@@ -1,0 +1,213 @@
+"""The kernel choice (ops/kernel_choice.cpp) and the contract layer over torch's own kernels (ops/stock/).
+
+The choice is tested as a function (fastmha.explain), and each kernel is forced with FASTMHA_CPU_KERNELS and
+checked against the oracle, including the parts of the contract the stock kernel does not have by itself:
+masks of any dtype and broadcast shape, rows with no visible key (uniform over all keys), top-left causal.
+A forward and its backward may run on different kernels (the saved log-sum-exp means the same for both).
+"""
+
+import pytest
+import torch
+from conftest import assert_close
+from oracle import oracle_attention
+from torch.autograd import gradcheck
+
+import fastmha
+
+
+def qkv(b=2, h=3, lq=9, lk=11, d=8, dtype=torch.float64, dv=None, requires_grad=False):
+    shapes = [(b, h, lq, d), (b, h, lk, d), (b, h, lk, dv or d)]
+    return [torch.randn(s, dtype=dtype, requires_grad=requires_grad) for s in shapes]
+
+
+def choices(*args, **kwargs):
+    """{"forward": (kernel, reason), "backward": (kernel, reason)} from fastmha.explain."""
+    lines = fastmha.explain(*args, **kwargs).splitlines()
+    assert [line.split()[0] for line in lines] == ["forward", "backward"]
+    return {line.split()[0]: tuple(line.split(" ", 1)[1].split(": ", 1)) for line in lines}
+
+
+def kernel_of(*args, **kwargs):
+    """The kernel of a call whose forward and backward run on the same one."""
+    chosen = choices(*args, **kwargs)
+    assert chosen["forward"][0] == chosen["backward"][0], chosen
+    return chosen["forward"][0]
+
+
+def cpu_flags():
+    with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+        return next(set(line.split(":")[1].split()) for line in cpuinfo if line.startswith("flags"))
+
+
+# ---- the choice itself ----
+
+
+def test_kept_weights_and_dropout_run_fastmhas_kernel():
+    q, k, v = qkv(dtype=torch.bfloat16)
+    assert kernel_of(q, k, v, need_weights=True) == "fastmha-cpu"
+    assert kernel_of(q, k, v, dropout_p=0.1, need_weights=False) == "fastmha-cpu"
+    assert "dropout" in fastmha.explain(q, k, v, dropout_p=0.1, need_weights=False)
+
+
+def test_forward_without_weights_runs_torchs_flash_kernel():
+    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        q, k, v = qkv(dtype=dtype)
+        assert choices(q, k, v, need_weights=False)["forward"][0] == "torch-cpu-flash"
+
+
+def test_backward_kernel_depends_on_native_half_products():
+    flags = cpu_flags()
+    native = {torch.bfloat16: bool({"avx512_bf16", "amx_bf16"} & flags), torch.float16: "avx512_fp16" in flags,
+              torch.float32: False, torch.float64: False}
+    for dtype, stock in native.items():
+        q, k, v = qkv(dtype=dtype)
+        expected = "torch-cpu-flash" if stock else "fastmha-cpu"
+        assert choices(q, k, v, need_weights=False)["backward"][0] == expected, dtype
+
+
+def test_cases_torchs_kernel_cannot_serve_stay_with_fastmha(monkeypatch):
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "stock")
+    q, k, v = qkv(dtype=torch.bfloat16, dv=16)
+    assert "d_k != d_v" in fastmha.explain(q, k, v, need_weights=False)
+    q, k, v = qkv(lq=0)
+    assert kernel_of(q, k, v, need_weights=False) == "fastmha-cpu"
+
+
+def test_switch_forces_a_kernel_and_rejects_unknown_values(monkeypatch):
+    q, k, v = qkv(dtype=torch.bfloat16)
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
+    assert choices(q, k, v, need_weights=False) == {"forward": ("fastmha-cpu", "FASTMHA_CPU_KERNELS=own"),
+                                                    "backward": ("fastmha-cpu", "FASTMHA_CPU_KERNELS=own")}
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "fast")
+    with pytest.raises(RuntimeError, match="FASTMHA_CPU_KERNELS must be auto, own or stock, got 'fast'"):
+        fastmha.explain(q, k, v, need_weights=False)
+
+
+def test_explain_checks_its_inputs():
+    q, k, v = qkv()
+    with pytest.raises(RuntimeError, match="key"):
+        fastmha.explain(q, k[..., :4], v)
+
+
+def test_log_switch_prints_each_calls_choice(monkeypatch, capfd):
+    monkeypatch.setenv("FASTMHA_LOG_KERNELS", "1")
+    q, k, v = qkv(dtype=torch.bfloat16, requires_grad=True)
+    out, _ = torch.ops.fastmha.attention(q, k, v, None, 0.0, False, False)
+    out.sum().backward()
+    err = capfd.readouterr().err
+    assert "fastmha: forward BFloat16" in err and "-> torch-cpu-flash" in err
+    assert "fastmha: backward BFloat16" in err
+
+
+# ---- the contract layer, forced, against the oracle ----
+
+
+def padding_mask(b, lk, dtype=torch.bool):
+    mask = torch.ones(b, 1, 1, lk, dtype=dtype)
+    mask[0, ..., -4:] = 0
+    return mask
+
+
+def mask_cases(lq, lk):
+    rows = torch.rand(lq, lk) > 0.4
+    rows[2] = False  # a row with no visible key
+    whole_batch = padding_mask(2, lk)
+    whole_batch[1] = False  # every row of batch 1
+    return {
+        "none": None,
+        "padding bool": padding_mask(2, lk),
+        "padding int": padding_mask(2, lk, torch.int64),
+        "padding float": padding_mask(2, lk, torch.float32) * 0.5,  # only exact zeros mask
+        "rows (Lq, Lk) with a dead row": rows,
+        "whole batch masked": whole_batch,
+        "per query (B, 1, Lq, 1)": (torch.arange(lq) % 3 != 0).reshape(1, 1, lq, 1).expand(2, 1, lq, 1),
+    }
+
+
+def causal_and(mask, lq, lk):
+    causal = torch.ones(lq, lk, dtype=torch.bool).tril()
+    return causal if mask is None else (mask != 0) & causal
+
+
+@pytest.mark.parametrize("case", list(mask_cases(9, 11)))
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("lq,lk", [(9, 11), (11, 9)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_stock_kernel_keeps_the_contract(monkeypatch, case, is_causal, lq, lk, dtype):
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "stock")
+    mask = mask_cases(lq, lk)[case]
+    q, k, v = qkv(lq=lq, lk=lk, dtype=dtype, requires_grad=True)
+    assert kernel_of(q, k, v, mask, need_weights=False, is_causal=is_causal) == "torch-cpu-flash"
+    out, weights = torch.ops.fastmha.attention(q, k, v, mask, 0.0, False, is_causal)
+    assert weights.numel() == 0 and out.is_contiguous()
+    grad = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
+
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    full_mask = causal_and(mask, lq, lk) if is_causal else mask
+    ref_out, _ = oracle_attention(*ref_inputs, full_mask)
+    ref_grads = torch.autograd.grad(ref_out, ref_inputs, grad.double())
+    assert_close(out, ref_out, dtype)
+    for got, want in zip((dq, dk, dv), ref_grads):
+        assert_close(got, want, dtype)
+
+
+def test_stock_kernel_gradcheck_with_dead_rows(monkeypatch):
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "stock")
+    q, k, v = qkv(b=2, h=2, lq=5, lk=6, d=4, requires_grad=True)
+    mask = torch.ones(5, 6, dtype=torch.bool)
+    mask[1] = False
+    mask[3, :2] = False
+
+    def f(q, k, v):
+        return torch.ops.fastmha.attention(q, k, v, mask, 0.0, False, True)[0]
+
+    assert gradcheck(f, (q, k, v))
+
+
+@pytest.mark.parametrize("forward_kernel,backward_kernel", [("own", "stock"), ("stock", "own")])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_forward_and_backward_on_different_kernels(monkeypatch, forward_kernel, backward_kernel, dtype):
+    # Rows with no visible key are where the kernels' own log-sum-exps differ: the saved one must serve both.
+    q, k, v = qkv(lq=7, lk=8, dtype=dtype, requires_grad=True)
+    mask = torch.ones(2, 1, 7, 8, dtype=torch.bool)
+    mask[0, 0, 3] = False
+    mask[1, 0, :, 5:] = False
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", forward_kernel)
+    out, _ = torch.ops.fastmha.attention(q, k, v, mask, 0.0, False, False)
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", backward_kernel)
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = oracle_attention(*ref_inputs, mask)
+    ref_grads = torch.autograd.grad(ref_out, ref_inputs, grad.double())
+    for got, want in zip(grads, ref_grads):
+        assert_close(got, want, dtype)
+
+
+def test_kept_weights_forward_with_unused_weights_backward(monkeypatch):
+    # need_weights=True runs fastmha's kernel; a loss that ignores the weights gives their gradient as
+    # nothing, and the backward may then take the stock kernel.
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "stock")
+    q, k, v = qkv(dtype=torch.float32, requires_grad=True)
+    mask = torch.ones(9, 11, dtype=torch.bool)
+    mask[4] = False
+    out, _ = torch.ops.fastmha.attention(q, k, v, mask, 0.0, True, False)
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = oracle_attention(*ref_inputs, mask)
+    for got, want in zip(grads, torch.autograd.grad(ref_out, ref_inputs, grad.double())):
+        assert_close(got, want, torch.float32)
+
+
+def test_block_without_weights_takes_the_same_choice(monkeypatch, capfd):
+    monkeypatch.setenv("FASTMHA_LOG_KERNELS", "1")
+    block = fastmha.MultiHeadAttentionBlock(32, 4, 0.0, need_weights=False).to(torch.bfloat16)
+    x = torch.randn(2, 10, 32, dtype=torch.bfloat16)
+    mask = padding_mask(2, 10)
+    reference = fastmha.MultiHeadAttentionBlock(32, 4, 0.0, need_weights=True).to(torch.bfloat16)
+    reference.load_state_dict(block.state_dict())
+    assert_close(block(x, x, x, mask), reference(x, x, x, mask), torch.bfloat16)
+    log = capfd.readouterr().err
+    assert "-> torch-cpu-flash" in log and "-> fastmha-cpu" in log
