@@ -14,7 +14,7 @@ the same-shape GEMMs alone ("gemm": the physical limit; efficiency = t_gemm / t_
 
     python benchmarks/bench.py                # the default matrix (about 10 min on 2 cores)
     python benchmarks/bench.py --quick        # a smoke run (seconds)
-    python benchmarks/bench.py --full         # the whole matrix of the CPU issue (hours on 2 cores)
+    python benchmarks/bench.py --full         # the whole matrix (hours on 2 cores)
 """
 
 import argparse

@@ -1,7 +1,9 @@
 """fastmha's CUDA attention core against its peers, in one run: TFLOP/s and peak memory.
 
 Peers, on the same (B, H, L, d) bfloat16 inputs:
-  fastmha        torch.ops.fastmha.attention, need_weights=False (the flash kernels)
+  fastmha        torch.ops.fastmha.attention, need_weights=False, the default kernel choice (which kernel ran
+                 is recorded in fastmha_kernel: fastmha.explain's forward line)
+  fastmha_own    the same with FASTMHA_CUDA_KERNELS=own (fastmha's flash kernels)
   fastmha_w      the same with need_weights=True (cuBLAS scores + the fused softmax row kernel)
   sdpa           F.scaled_dot_product_attention as torch picks its backend (recorded in sdpa_backend)
   sdpa_flash / sdpa_efficient / sdpa_cudnn / sdpa_math   each SDPA backend forced (n/a where it refuses)
@@ -20,6 +22,7 @@ import csv
 import datetime
 import json
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -33,7 +36,7 @@ import fastmha
 ROOT = Path(__file__).resolve().parents[1]
 SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
                  "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_math": SDPBackend.MATH}
-PEERS = ["fastmha", "fastmha_w", "sdpa", *SDPA_BACKENDS, "oracle"]
+PEERS = ["fastmha", "fastmha_own", "fastmha_w", "sdpa", *SDPA_BACKENDS, "oracle"]
 QUADRATIC_MEMORY = {"fastmha_w", "sdpa_math", "oracle"}  # keep an L x L tensor per head
 CASES = {"none": (False, 0.0), "causal": (True, 0.0), "padding+dropout": (False, 0.1)}
 
@@ -58,9 +61,28 @@ def oracle(q, k, v, mask, p, is_causal):
     return F.dropout(scores.softmax(-1), p) @ v
 
 
+def with_kernels(mode, fn):
+    """fn run with FASTMHA_CUDA_KERNELS=mode (read at every call)."""
+
+    def run():
+        saved = os.environ.get("FASTMHA_CUDA_KERNELS")
+        os.environ["FASTMHA_CUDA_KERNELS"] = mode
+        try:
+            return fn()
+        finally:
+            if saved is None:
+                os.environ.pop("FASTMHA_CUDA_KERNELS")
+            else:
+                os.environ["FASTMHA_CUDA_KERNELS"] = saved
+
+    return run
+
+
 def peer_fn(peer, q, k, v, mask, p, is_causal):
     if peer == "fastmha":
         return lambda: torch.ops.fastmha.attention(q, k, v, mask, p, False, is_causal)[0]
+    if peer == "fastmha_own":
+        return with_kernels("own", lambda: torch.ops.fastmha.attention(q, k, v, mask, p, False, is_causal)[0])
     if peer == "fastmha_w":
         return lambda: torch.ops.fastmha.attention(q, k, v, mask, p, True, is_causal)[0]
     if peer == "oracle":
@@ -143,6 +165,7 @@ def run(args, device, dtype):
                     row = dict(d=d, length=length, batch=batch, heads=heads, case=case, mode=mode, dtype=str(dtype))
                     q, k, v, mask = make_inputs(batch, heads, length, d, case, device, dtype, mode != "fwd")
                     row["sdpa_backend"] = sdpa_default_backend(q, k, v, mask, p, is_causal)
+                    row["fastmha_kernel"] = fastmha.explain(q, k, v, mask, p, False, is_causal).splitlines()[0]
                     total = flops(batch, heads, length, d, is_causal, mode)
                     for peer in PEERS:
                         if peer in QUADRATIC_MEMORY and length > args.max_quadratic_length:
@@ -171,10 +194,11 @@ def run(args, device, dtype):
 
 
 def markdown(rows):
-    lines = ["| d | L | case | mode | fastmha TFLOP/s | sdpa (backend) | vs flash | vs efficient | vs cudnn | vs oracle"
-             " | w vs oracle | MiB fastmha / oracle |", "|" + " --- |" * 12]
+    lines = ["| d | L | case | mode | fastmha kernel | fastmha TFLOP/s | own TFLOP/s | sdpa (backend) | vs flash "
+             "| vs efficient | vs cudnn | vs oracle | w vs oracle | MiB fastmha / oracle |", "|" + " --- |" * 14]
     for r in rows:
-        lines.append(f"| {r['d']} | {r['length']} | {r['case']} | {r['mode']} | {r['tflops_fastmha']:.1f} | "
+        lines.append(f"| {r['d']} | {r['length']} | {r['case']} | {r['mode']} | {r['fastmha_kernel']} | "
+                     f"{r['tflops_fastmha']:.1f} | {r['tflops_fastmha_own']:.1f} | "
                      f"{r['speedup_vs_sdpa']:.2f}x ({r['sdpa_backend']}) | {r['speedup_vs_sdpa_flash']:.2f}x | "
                      f"{r['speedup_vs_sdpa_efficient']:.2f}x | {r['speedup_vs_sdpa_cudnn']:.2f}x | "
                      f"{r['speedup_vs_oracle']:.2f}x | {r['speedup_w_vs_oracle']:.2f}x | "

@@ -1,5 +1,5 @@
 """The GPU benchmark's harness runs end to end on tiny CPU shapes (its numbers are not checked: benchmarks
-measure, tests don't), so the script the GPU machine runs cannot rot between the sessions that have one."""
+measure, tests don't), so the script a GPU machine runs cannot rot between runs on one."""
 
 import json
 import subprocess

@@ -1,6 +1,8 @@
-"""fastmha's own CUDA kernels against the float64 oracle (skipped without a CUDA device).
+"""fastmha's CUDA paths against the float64 oracle (skipped without a CUDA device).
 
-The flash kernels (need_weights=False) and the weights-kept row kernels (need_weights=True), forward and
+Every test runs twice: with the default kernel choice (SDPA's fused kernels behind the contract layer for
+need_weights=False without dropout, fastmha's row kernels for kept weights, the ATen composite for dropout)
+and with FASTMHA_CUDA_KERNELS=own (fastmha's flash kernels for need_weights=False). Forward and
 backward, across every padded head size (64/128/256, d_v != d_k), lengths around the tile edges, broadcast
 masks of several dtypes with fully masked rows, is_causal with block skipping, dropout (reproducible, shared
 by both paths, replayed by the backward), strided inputs, side streams, CUDA graphs and gradcheck in float64.
@@ -23,6 +25,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Gradients go through more roundings than outputs: twice the output tolerance for the half types.
 GRAD_TOLERANCES = {**TOLERANCES, torch.float16: dict(atol=1e-2, rtol=1e-2), torch.bfloat16: dict(atol=6e-2, rtol=6e-2)}
+
+
+@pytest.fixture(autouse=True, params=["auto", "own"])
+def kernel_mode(request, monkeypatch):
+    monkeypatch.setenv("FASTMHA_CUDA_KERNELS", request.param)
+    return request.param
 
 
 def attention(q, k, v, mask=None, dropout_p=0.0, need_weights=False, is_causal=False):
@@ -221,8 +229,8 @@ def test_nan_and_inf_propagate_like_the_oracle(need_weights, where, value):
     torch.testing.assert_close(out.cpu(), ref_out, equal_nan=True)
 
 
-def test_our_kernels_agree_with_the_aten_path(tmp_path):
-    # The same calls in a process with FASTMHA_CUDA_KERNELS=aten (the foundation's ATen implementation).
+def test_our_kernels_agree_with_the_aten_path(tmp_path, kernel_mode):
+    # The same calls in a process with FASTMHA_CUDA_KERNELS=aten (the ATen composite).
     script = tmp_path / "calls.py"
     script.write_text(
         "import sys, torch, fastmha\n"
@@ -238,8 +246,7 @@ def test_our_kernels_agree_with_the_aten_path(tmp_path):
         "        results += [out.detach().cpu(), *(g.cpu() for g in grads)]\n"
         "torch.save(results, sys.argv[1])\n")
     ours, aten = tmp_path / "ours.pt", tmp_path / "aten.pt"
-    env = dict(os.environ)
-    env.pop("FASTMHA_CUDA_KERNELS", None)
+    env = dict(os.environ, FASTMHA_CUDA_KERNELS=kernel_mode)
     subprocess.run([sys.executable, str(script), str(ours)], check=True, env=env, timeout=300)
     env["FASTMHA_CUDA_KERNELS"] = "aten"
     subprocess.run([sys.executable, str(script), str(aten)], check=True, env=env, timeout=300)
