@@ -136,8 +136,8 @@ detail::AttentionForwardResult attention_forward(const at::Tensor& query, const 
     output = std::get<0>(result);
     logsumexp = std::get<1>(result).slice(-1, 0, query.size(2)).contiguous();
   }
-  // The stock kernels write (B, Lq, H, d) memory; the op's contract (and its Meta kernel) is contiguous.
-  return {output.contiguous(), at::empty({0}, query.options()), to_contract_lse(logsumexp, p, key),
+  // The stock kernels write (B, Lq, H, ...) memory; the op's contract (and its Meta kernel) is contiguous.
+  return {output.contiguous(), at::empty({0}, query.options()), to_contract_lse(logsumexp, p, key).contiguous(),
           at::zeros({2}, query.options().dtype(at::kLong))};
 }
 
