@@ -1,12 +1,14 @@
 """The package itself: loading once, build information, the CMake package location, a missing library."""
 
 import importlib
+import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import fastmha
@@ -48,3 +50,34 @@ def test_clear_error_when_library_missing(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode != 0
     assert "fastmha: its native library" in result.stderr and "pip install" in result.stderr
+
+
+def test_build_info_file_names_the_torch_it_was_built_for():
+    info = json.loads((Path(fastmha.__file__).with_name("_build_info.json")).read_text())
+    assert info["version"] == fastmha.__version__
+    assert info["torch"] == torch.__version__ and info["torch_cuda"] == torch.version.cuda
+    assert info["cuda_kernels"] == fastmha.build_info["cuda_kernels"]
+
+
+def test_mismatched_torch_is_refused_before_loading():
+    from fastmha._loader import check_build_info
+
+    built = {"version": "0.1.0", "torch": "2.15.0+cu132", "torch_cuda": "13.2", "cuda_kernels": True}
+    check_build_info(built, "2.15.1+cu132", "13.2")  # a patch release keeps the ABI
+    cases = [("2.14.0+cu132", "13.2", "built for torch 2.15.0\\+cu132 \\(CUDA 13.2\\), you have torch 2.14.0"),
+             ("2.15.0+cpu", None, "with CUDA kernels .* you have torch 2.15.0\\+cpu \\(no CUDA\\)"),
+             ("2.15.0+cu128", "12.8", "you have torch 2.15.0\\+cu128 \\(CUDA 12.8\\)")]
+    for version, cuda, message in cases:
+        with pytest.raises(ImportError, match=message + ".*pip install --no-build-isolation"):
+            check_build_info(built, version, cuda)
+
+
+def test_info_command_reports_machine_and_smoke_tests():
+    result = subprocess.run([sys.executable, "-m", "fastmha.info"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert f"torch {torch.__version__}" in out and "library:" in out
+    assert "cpu isa:" in out and f"fastmha {fastmha._C.cpu_capability()}" in out
+    assert "smoke test cpu: ok" in out
+    cpu_only = subprocess.run([sys.executable, "-m", "fastmha.info", "--cpu"], capture_output=True, text=True)
+    assert cpu_only.returncode == 0 and cpu_only.stdout.startswith("cpu: ")
