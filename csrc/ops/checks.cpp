@@ -66,12 +66,16 @@ void check_mask(const std::optional<at::Tensor>& mask, const at::Tensor& query, 
   const std::vector<c10::SymInt> scores = {batch, heads, len_q, len_k};
   TORCH_CHECK(m.dim() <= 4, "fastmha: mask must have at most 4 dims broadcastable to the scores (batch, h, Lq, Lk) ",
               c10::SymIntArrayRef(scores), ", got shape ", m.sym_sizes());
+  // The usual mistake: a (batch, Lk) padding mask, which lines up with (Lq, Lk) instead of batch and keys.
+  const bool padding_2d = m.dim() == 2 && m.sym_size(0) == batch && m.sym_size(1) == len_k;
+  const char* hint =
+      padding_2d ? "; a (batch, Lk) padding mask needs the head and query dims: mask[:, None, None, :]" : "";
   for (int64_t i = 1; i <= m.dim(); ++i) {
     const auto& size = m.sym_size(-i);
     const auto& target = scores[4 - i];
     TORCH_CHECK(size == 1 || size == target, "fastmha: mask of shape ", m.sym_sizes(),
                 " does not broadcast to the scores (batch, h, Lq, Lk) ", c10::SymIntArrayRef(scores), " (dim ",
-                m.dim() - i, " is ", size, ")");
+                m.dim() - i, " is ", size, ")", hint);
   }
 }
 

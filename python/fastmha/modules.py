@@ -24,6 +24,12 @@ class MultiHeadAttentionBlock(nn.Module):
     def __init__(
         self, d_model: int, h: int, dropout: float, need_weights: bool = True, is_causal: bool = False
     ) -> None:
+        """``d_model`` features split into ``h`` heads of ``d_k = d_model // h``; ``dropout`` is the probability
+        of dropping an attention weight in training (an ``nn.Dropout``, so 1.0 drops them all). With
+        ``need_weights=False`` the weights are not kept (``attention_scores`` stays None, and their memory is
+        saved); with ``is_causal=True`` query i attends keys j <= i only. Raises ValueError for sizes that
+        are not positive ints, ``d_model % h != 0``, or a dropout outside [0, 1].
+        """
         super().__init__()
         if not isinstance(d_model, int) or d_model <= 0:
             raise ValueError(f"fastmha: d_model must be a positive int, got {d_model!r}")
@@ -31,8 +37,8 @@ class MultiHeadAttentionBlock(nn.Module):
             raise ValueError(f"fastmha: h must be a positive int, got {h!r}")
         if d_model % h != 0:
             raise ValueError(f"fastmha: d_model must be divisible by h, got d_model={d_model} and h={h}")
-        if not 0.0 <= float(dropout) < 1.0:
-            raise ValueError(f"fastmha: dropout must be in [0, 1), got {dropout!r}")
+        if not 0.0 <= float(dropout) <= 1.0:
+            raise ValueError(f"fastmha: dropout must be in [0, 1], got {dropout!r}")
         self.d_model = d_model
         self.h = h
         self.d_k = d_model // h
@@ -54,14 +60,25 @@ class MultiHeadAttentionBlock(nn.Module):
         ``dropout`` is an ``nn.Dropout`` (applied only while it is in training mode) or None.
         """
         p = dropout.p if dropout is not None and dropout.training else 0.0
-        return torch.ops.fastmha.attention(query, key, value, mask, p, True)
+        output, weights = torch.ops.fastmha.attention(query, key, value, mask, p if p < 1.0 else 0.0, True)
+        if p >= 1.0:  # nn.Dropout(1.0) drops every weight
+            return output * 0.0, weights * 0.0
+        return output, weights
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+        """Attention of queries ``q`` (batch, Lq, d_model) over keys ``k`` and values ``v`` (batch, Lk, d_model).
+
+        Where ``mask == 0`` (any dtype, broadcastable to (batch, h, Lq, Lk), e.g. a (batch, 1, 1, Lk) padding
+        mask) the score is -1e9 before the softmax. Returns (batch, Lq, d_model) and keeps the post-dropout
+        weights (batch, h, Lq, Lk) in ``attention_scores`` when ``need_weights`` is True.
+        """
         p = self.dropout.p if self.dropout.training else 0.0
         output, weights = torch.ops.fastmha.multi_head_attention(
             q, k, v, self.w_q.weight, self.w_k.weight, self.w_v.weight, self.w_o.weight,
-            self.h, mask, p, self.need_weights, self.is_causal,
+            self.h, mask, p if p < 1.0 else 0.0, self.need_weights, self.is_causal,
         )
+        if p >= 1.0:  # nn.Dropout(1.0) drops every weight: zero weights, zero output
+            output, weights = output * 0.0, weights * 0.0
         self.attention_scores = weights if self.need_weights else None
         return output
 
@@ -85,8 +102,10 @@ class MultiHeadAttentionBlock(nn.Module):
         p = self.dropout.p if self.dropout.training else 0.0
         output, keys, values = torch.ops.fastmha.multi_head_attention_step(
             x, self.w_q.weight, self.w_k.weight, self.w_v.weight, self.w_o.weight, self.h,
-            key_cache, value_cache, mask, p,
+            key_cache, value_cache, mask, p if p < 1.0 else 0.0,
         )
+        if p >= 1.0:  # nn.Dropout(1.0) drops every weight
+            output = output * 0.0
         return output, (keys, values)
 
     def extra_repr(self) -> str:

@@ -29,8 +29,8 @@ def core_call(q=None, k=None, v=None, mask=None, p=0.0):
     (-8, 2, 0.0, r"d_model must be a positive int, got -8"),
     (8, 0, 0.0, r"h must be a positive int, got 0"),
     (8, -2, 0.0, r"h must be a positive int, got -2"),
-    (8, 2, 1.0, r"dropout must be in \[0, 1\), got 1.0"),
-    (8, 2, -0.1, r"dropout must be in \[0, 1\), got -0.1"),
+    (8, 2, 1.5, r"dropout must be in \[0, 1\], got 1.5"),
+    (8, 2, -0.1, r"dropout must be in \[0, 1\], got -0.1"),
 ])
 def test_module_constructor_errors(d_model, h, dropout, match):
     with pytest.raises(ValueError, match=match):
@@ -58,6 +58,7 @@ BLOCK_CASES = {
     "mask too many dims": (dict(mask=torch.ones(1, 2, 1, 3, 4)), r"mask must have at most 4 dims .* got shape \[1, 2, 1, 3, 4\]"),
     "mask would grow the scores": (dict(mask=torch.ones(4, 2, 3, 4)), r"does not broadcast"),
     "complex mask": (dict(mask=torch.ones(4, dtype=torch.complex64)), r"mask must be a real or bool tensor, got ComplexFloat"),
+    "(batch, Lk) padding mask": (dict(mask=torch.ones(2, 4)), r"does not broadcast .* a \(batch, Lk\) padding mask needs the head and query dims: mask\[:, None, None, :\]"),
 }
 
 

@@ -133,6 +133,22 @@ def test_dropout_in_training_applies_the_stored_weights(device):
     assert abs(dropped - p) < 0.03, dropped
 
 
+def test_dropout_one_drops_every_weight_like_nn_dropout(device):
+    # nn.Dropout(1.0) in training zeroes every weight, so the block's output is 0 and no gradient flows.
+    block = fastmha.MultiHeadAttentionBlock(16, 4, 1.0).to(device).train()
+    x = torch.randn(2, 5, 16, device=device, requires_grad=True)
+    out = block(x, x, x, None)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.equal(block.attention_scores, torch.zeros(2, 4, 5, 5, device=device))
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))
+    q = torch.randn(2, 4, 5, 4, device=device)
+    out, weights = fastmha.MultiHeadAttentionBlock.attention(q, q, q, None, block.dropout)
+    assert not out.any() and not weights.any()
+    block.eval()
+    assert block(x, x, x, None).abs().sum() > 0
+
+
 def test_dropout_is_reproducible_under_manual_seed(device):
     block, _ = make_pair(device, dtype=torch.float32, dropout=0.2)
     x = torch.randn(2, 9, D_MODEL, device=device)
