@@ -50,11 +50,12 @@ KernelChoice choose_cpu(const AttentionCall& call) {
     return {K::kStockCpu, "FASTMHA_CPU_KERNELS=stock"};
   }
   // Measured with benchmarks/bench_kernel_choice.py (both kernels interleaved in one run; the results are in
-  // benchmarks/results/). Forward: torch's flash kernel is as fast or faster from 128 to 4096 keys in every
-  // dtype: it blocks the keys with an online softmax, while fastmha's kernel keeps whole score rows of a query
-  // chunk in cache. Backward: fastmha's kernel is as fast or faster in float32/float64 up to 2048 keys (past
-  // that its score rows outgrow the cache), and in half types unless the processor multiplies them natively
-  // (torch's backward then runs on those instructions; without them it is several times slower than ours).
+  // benchmarks/results/). Forward: torch's flash kernel is as fast or faster from 128 to 4096 keys in float32
+  // and bfloat16 (float16 is widened like bfloat16 in fastmha's kernel): it blocks the keys with an online
+  // softmax, while fastmha's kernel keeps whole score rows of a query chunk in cache. Backward: fastmha's
+  // kernel is as fast or faster in float32/float64 up to 2048 keys (past that its score rows outgrow the
+  // cache), and in half types unless the processor multiplies them natively (torch's backward then runs on
+  // those instructions; without them it is several times slower than ours).
   if (call.pass == Pass::kForward) {
     return {K::kStockCpu, "forward without kept weights or dropout: torch's CPU flash kernel is as fast or faster"};
   }
