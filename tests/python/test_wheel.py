@@ -142,5 +142,7 @@ def test_outside_cmake_project_builds_against_the_installed_package(installed):
         "torch.jit.script(Layer()).save(out + '/model.pt')\n"
         "torch.jit.script(Tensors(x=x, mask=mask, expected=block(x, x, x, mask).detach())).save(out + '/data.pt')\n"
     )
-    run([str(python), "-c", script, str(model_dir)], cwd=work)
+    script_file = work / "save_model.py"  # TorchScript reads the class sources: a file, not -c
+    script_file.write_text(script)
+    run([str(python), str(script_file), str(model_dir)], cwd=work)
     run([str(build / "run_scripted"), str(model_dir / "model.pt"), str(model_dir / "data.pt")])
