@@ -1,5 +1,15 @@
+import getpass
+import os
+import tempfile
+
 import pytest
 import torch
+
+# torch's Inductor cache is not keyed by ATEN_CPU_CAPABILITY: vector code compiled under one capability fails to
+# compile when a run under another reuses it. Runs that set the capability get a cache of their own.
+if "ATEN_CPU_CAPABILITY" in os.environ and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{os.environ['ATEN_CPU_CAPABILITY']}")
 
 import fastmha  # noqa: F401  (loads the ops)
 
