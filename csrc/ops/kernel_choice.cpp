@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "ops/cpu/cpu_capability.h"
+#include "ops/cuda/flash/kernel_common.h"
 #include "ops/stock/stock_attention.h"
 
 namespace fastmha {
@@ -26,6 +27,10 @@ std::string switch_value(const char* name) {
   return value == nullptr || *value == '\0' ? "auto" : value;
 }
 
+bool has_empty_input(const AttentionCall& call) {
+  return call.query.numel() == 0 || call.key.numel() == 0 || call.value.numel() == 0;
+}
+
 KernelChoice choose_cpu(const AttentionCall& call) {
   const auto mode = switch_value("FASTMHA_CPU_KERNELS");
   TORCH_CHECK(mode == "auto" || mode == "own" || mode == "stock",
@@ -37,7 +42,7 @@ KernelChoice choose_cpu(const AttentionCall& call) {
   if (call.dropout_p > 0) {
     return {K::kOwnCpu, "dropout: torch's CPU flash kernel has none"};
   }
-  if (call.query.numel() == 0 || call.key.numel() == 0 || call.value.numel() == 0) {
+  if (has_empty_input(call)) {
     return {K::kOwnCpu, "an empty input"};
   }
   if (call.query.size(3) != call.value.size(3)) {
@@ -79,7 +84,7 @@ KernelChoice choose_cuda(const AttentionCall& call) {
   if (mode == "aten") {
     return {K::kAten, "FASTMHA_CUDA_KERNELS=aten"};
   }
-  if (call.query.numel() == 0 || call.key.numel() == 0 || call.value.numel() == 0) {
+  if (has_empty_input(call)) {
     return {K::kAten, "an empty input"};
   }
   const auto provider = cuda_facts_provider();
@@ -88,7 +93,8 @@ KernelChoice choose_cuda(const AttentionCall& call) {
               "to run on ",
               call.query.device());
   const auto facts = provider(call.query.device());
-  const bool head_fits = call.query.size(3) <= 256 && call.value.size(3) <= 256;
+  const bool head_fits =
+      call.query.size(3) <= cuda_kernels::kMaxFlashHeadDim && call.value.size(3) <= cuda_kernels::kMaxFlashHeadDim;
   if (call.need_weights) {
     if (!facts.has_kernel_image) {
       return {K::kAten, "the weights are kept, and this library holds no code for " + facts.device_name};
@@ -117,8 +123,9 @@ KernelChoice choose_cuda(const AttentionCall& call) {
     return {K::kAten, "dropout: the ATen composite draws fastmha's reproducible Philox stream (the CPU's masks)"};
   }
   std::string why;
-  if (stock::cuda_backend(call.query, call.key, call.value, call.mask, call.is_causal, &why).has_value()) {
-    return {K::kStockCuda, "no kept weights or dropout: SDPA's fused kernel for this call"};
+  const auto backend = stock::cuda_backend(call.query, call.key, call.value, call.mask, call.is_causal, &why);
+  if (backend.has_value()) {
+    return {K::kStockCuda, "no kept weights or dropout: SDPA's fused kernel for this call", backend};
   }
   return {K::kAten, why};
 }

@@ -10,6 +10,8 @@
 #include <optional>
 #include <string>
 
+#include "ops/stock/stock_attention.h"
+
 namespace fastmha {
 
 enum class AttentionKernel {
@@ -39,6 +41,7 @@ struct AttentionCall {
 struct KernelChoice {
   AttentionKernel kernel;
   std::string reason;  // why this kernel and not the one before it in the list
+  std::optional<stock::CudaBackend> sdpa_backend = std::nullopt;  // kStockCuda: the SDPA kernel to call
 };
 
 KernelChoice choose_kernel(const AttentionCall& call);

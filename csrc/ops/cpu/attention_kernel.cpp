@@ -104,7 +104,7 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
   check_attention_inputs(query, key, value, mask, dropout_p);
   const AttentionCall call{query, key, value, mask, dropout_p, need_weights, is_causal};
   if (choose_kernel_logged(call).kernel == AttentionKernel::kStockCpu) {
-    return stock::attention_forward(query, key, value, mask, is_causal);
+    return stock::attention_forward(query, key, value, mask, is_causal, std::nullopt);
   }
   const auto dtype = query.scalar_type();
   const auto acc = at::toOpMathType(dtype);
@@ -133,7 +133,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
     const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p, bool is_causal) {
   const AttentionCall call{query, key, value, mask, dropout_p, weights_kept(grad_weights), is_causal, Pass::kBackward};
   if (choose_kernel_logged(call).kernel == AttentionKernel::kStockCpu) {
-    return stock::attention_backward(grad_output, query, key, value, mask, output, logsumexp, is_causal);
+    return stock::attention_backward(grad_output, query, key, value, mask, output, logsumexp, is_causal, std::nullopt);
   }
   const auto acc = at::toOpMathType(query.scalar_type());
   const int64_t batch = query.size(0), heads = query.size(1), len_q = query.size(2), len_k = key.size(2);

@@ -67,9 +67,10 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
   check_attention_inputs(query, key, value, mask, dropout_p);
   c10::cuda::CUDAGuard guard(query.device());
   const AttentionCall call{query, key, value, mask, dropout_p, need_weights, is_causal};
-  const auto kernel = choose_kernel_logged(call).kernel;
+  const auto choice = choose_kernel_logged(call);
+  const auto kernel = choice.kernel;
   if (kernel == AttentionKernel::kStockCuda) {
-    return stock::attention_forward(query, key, value, mask, is_causal);
+    return stock::attention_forward(query, key, value, mask, is_causal, choice.sdpa_backend);
   }
   if (kernel == AttentionKernel::kAten) {
     check_dropout_runs(query, dropout_p);
@@ -170,9 +171,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
     const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p, bool is_causal) {
   c10::cuda::CUDAGuard guard(query.device());
   const AttentionCall call{query, key, value, mask, dropout_p, weights_kept(grad_weights), is_causal, Pass::kBackward};
-  const auto kernel = choose_kernel_logged(call).kernel;
+  const auto choice = choose_kernel_logged(call);
+  const auto kernel = choice.kernel;
   if (kernel == AttentionKernel::kStockCuda) {
-    return stock::attention_backward(grad_output, query, key, value, mask, output, logsumexp, is_causal);
+    return stock::attention_backward(grad_output, query, key, value, mask, output, logsumexp, is_causal,
+                                     choice.sdpa_backend);
   }
   if (kernel == AttentionKernel::kAten) {
     check_dropout_runs(query, dropout_p);

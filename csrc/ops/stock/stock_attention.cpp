@@ -86,14 +86,6 @@ at::Tensor efficient_bias(const at::Tensor& bias, const at::Tensor& query, const
 // The memory-efficient kernel's log-sum-exp has rows padded to a multiple of 32.
 constexpr int64_t kEfficientLseAlign = 32;
 
-CudaBackend require_cuda_backend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                                 const std::optional<at::Tensor>& mask, bool is_causal) {
-  std::string why;
-  const auto backend = cuda_backend(query, key, value, mask, is_causal, &why);
-  TORCH_CHECK(backend.has_value(), "fastmha: internal error: the stock CUDA path was chosen but ", why);
-  return *backend;
-}
-
 }  // namespace
 
 std::optional<CudaBackend> cuda_backend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
@@ -119,14 +111,15 @@ std::optional<CudaBackend> cuda_backend(const at::Tensor& query, const at::Tenso
 
 detail::AttentionForwardResult attention_forward(const at::Tensor& query, const at::Tensor& key,
                                                  const at::Tensor& value, const std::optional<at::Tensor>& mask,
-                                                 bool is_causal) {
+                                                 bool is_causal, std::optional<CudaBackend> cuda) {
+  TORCH_INTERNAL_ASSERT(query.is_cpu() || cuda.has_value(), "the stock CUDA path needs the chosen SDPA backend");
   const auto p = prepare(query, key, mask, is_causal);
   const double scale = softmax_scale(query);
   at::Tensor output, logsumexp;
   if (query.is_cpu()) {
     std::tie(output, logsumexp) =
         at::_scaled_dot_product_flash_attention_for_cpu(p.query, key, value, 0.0, p.is_causal, p.bias, scale);
-  } else if (require_cuda_backend(query, key, value, mask, is_causal) == CudaBackend::kFlash) {
+  } else if (*cuda == CudaBackend::kFlash) {
     auto result = at::_scaled_dot_product_flash_attention(p.query, key, value, 0.0, p.is_causal, false, scale);
     output = std::get<0>(result);
     logsumexp = std::get<1>(result);
@@ -141,12 +134,11 @@ detail::AttentionForwardResult attention_forward(const at::Tensor& query, const 
           at::zeros({2}, query.options().dtype(at::kLong))};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tensor& grad_output,
-                                                                  const at::Tensor& query, const at::Tensor& key,
-                                                                  const at::Tensor& value,
-                                                                  const std::optional<at::Tensor>& mask,
-                                                                  const at::Tensor& output,
-                                                                  const at::Tensor& saved_logsumexp, bool is_causal) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& grad_output, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const std::optional<at::Tensor>& mask, const at::Tensor& output, const at::Tensor& saved_logsumexp, bool is_causal,
+    std::optional<CudaBackend> cuda) {
+  TORCH_INTERNAL_ASSERT(query.is_cpu() || cuda.has_value(), "the stock CUDA path needs the chosen SDPA backend");
   const auto p = prepare(query, key, mask, is_causal);
   const double scale = softmax_scale(query);
   const auto grad_out = grad_output.to(query.scalar_type());
@@ -158,7 +150,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
   } else {
     // Without dropout the kernels read no Philox state.
     const auto unused_seed = at::zeros({}, query.options().dtype(at::kLong));
-    if (require_cuda_backend(query, key, value, mask, is_causal) == CudaBackend::kFlash) {
+    if (*cuda == CudaBackend::kFlash) {
       std::tie(grad_q, grad_k, grad_v) = at::_scaled_dot_product_flash_attention_backward(
           grad_out, p.query, key, value, output, logsumexp, at::Tensor(), at::Tensor(), query.size(2), key.size(2), 0.0,
           p.is_causal, unused_seed, unused_seed, scale);

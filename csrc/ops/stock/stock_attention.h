@@ -30,13 +30,15 @@ enum class CudaBackend : int64_t { kFlash = 1, kEfficient = 2 };
 std::optional<CudaBackend> cuda_backend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                         const std::optional<at::Tensor>& mask, bool is_causal, std::string* why);
 
-// (output, empty weights, logsumexp, zero rng_state), as the internal forward op returns them.
+// (output, empty weights, logsumexp, zero rng_state), as the internal forward op returns them. On CUDA,
+// `cuda` is the backend the kernel choice found with cuda_backend() (it is not looked up again).
 detail::AttentionForwardResult attention_forward(const at::Tensor& query, const at::Tensor& key,
                                                  const at::Tensor& value, const std::optional<at::Tensor>& mask,
-                                                 bool is_causal);
+                                                 bool is_causal, std::optional<CudaBackend> cuda);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad_output, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-    const std::optional<at::Tensor>& mask, const at::Tensor& output, const at::Tensor& saved_logsumexp, bool is_causal);
+    const std::optional<at::Tensor>& mask, const at::Tensor& output, const at::Tensor& saved_logsumexp, bool is_causal,
+    std::optional<CudaBackend> cuda);
 
 }  // namespace fastmha::stock
