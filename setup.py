@@ -52,17 +52,21 @@ def find_nvcc():
     return shutil.which("nvcc")
 
 
-def with_cuda(torch):
-    """CUDA kernels are built when torch has CUDA (or FORCE_CUDA=1), unless FASTMHA_WITH_CUDA=0."""
+def cuda_compiler(torch):
+    """The nvcc to build the CUDA kernels with, or None for a CPU-only build. CUDA kernels are built when torch
+    has CUDA (or FORCE_CUDA=1), unless FASTMHA_WITH_CUDA=0."""
     if os.environ.get("FASTMHA_WITH_CUDA") == "0":
-        return False
+        return None
     wanted = torch.version.cuda is not None or os.environ.get("FORCE_CUDA") == "1" or \
         os.environ.get("FASTMHA_WITH_CUDA") == "1"
-    if wanted and find_nvcc() is None:
+    if not wanted:
+        return None
+    nvcc = find_nvcc()
+    if nvcc is None:
         sys.exit(f"fastmha: torch {torch.__version__} has CUDA {torch.version.cuda}, but no CUDA compiler (nvcc) was "
                  "found on PATH, in CUDA_HOME or in /usr/local/cuda. Install the CUDA toolkit of that major "
                  "version, or build the CPU kernels only with FASTMHA_WITH_CUDA=0.")
-    return wanted
+    return nvcc
 
 
 def torch_label(torch):
@@ -98,10 +102,10 @@ class CMakeBuild(build_ext):
         package_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
         build_dir = Path(os.environ.get("FASTMHA_BUILD_DIR", ROOT / "build")).resolve()
         cmake = cmake_executable()
-        cuda = with_cuda(torch)
+        nvcc = cuda_compiler(torch)
+        cuda = nvcc is not None
         archs = os.environ.get("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
         editable = getattr(self, "editable_mode", False) or self.inplace
-        nvcc = find_nvcc() if cuda else None
         configure = [
             cmake, "-S", str(ROOT), "-B", str(build_dir), "-G", "Ninja",
             f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
