@@ -121,28 +121,6 @@ def test_outside_cmake_project_builds_against_the_installed_package(installed):
     run([cmake, "-S", str(ROOT / "examples" / "cpp" / "run_scripted"), "-B", str(build), "-G", "Ninja",
          "-DCMAKE_BUILD_TYPE=Release", f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path};{prefix}"])
     run([cmake, "--build", str(build)])
-    model_dir = work / "model"
-    model_dir.mkdir()
-    script = (
-        "import sys, torch, fastmha\n"
-        "block = fastmha.MultiHeadAttentionBlock(16, 4, 0.0).eval()\n"
-        "x, mask = torch.randn(2, 5, 16), torch.rand(2, 1, 1, 5) > 0.2\n"
-        "class Layer(torch.nn.Module):\n"
-        "    def __init__(self):\n"
-        "        super().__init__()\n"
-        "        self.block = block\n"
-        "    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:\n"
-        "        return self.block(x, x, x, mask)\n"
-        "class Tensors(torch.nn.Module):\n"
-        "    def __init__(self, **tensors):\n"
-        "        super().__init__()\n"
-        "        for name, tensor in tensors.items():\n"
-        "            self.register_buffer(name, tensor)\n"
-        "out = sys.argv[1]\n"
-        "torch.jit.script(Layer()).save(out + '/model.pt')\n"
-        "torch.jit.script(Tensors(x=x, mask=mask, expected=block(x, x, x, mask).detach())).save(out + '/data.pt')\n"
-    )
-    script_file = work / "save_model.py"  # TorchScript reads the class sources: a file, not -c
-    script_file.write_text(script)
-    run([str(python), str(script_file), str(model_dir)], cwd=work)
+    model_dir = work / "model"  # the model the C++ tests load too, scripted in the fresh environment
+    run([str(python), str(ROOT / "tests" / "cpp" / "export_scripted_model.py"), str(model_dir)], cwd=work)
     run([str(build / "run_scripted"), str(model_dir / "model.pt"), str(model_dir / "data.pt")])
