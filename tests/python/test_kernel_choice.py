@@ -165,6 +165,51 @@ def test_stock_kernel_gradcheck_with_dead_rows(monkeypatch):
     assert gradcheck(f, (q, k, v))
 
 
+def layouts(t):
+    """The same values in memory layouts a caller may pass: the head dimension's stride is not 1 in most."""
+    wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+    return {
+        "contiguous": t,
+        "transposed storage": t.transpose(-1, -2).contiguous().transpose(-1, -2),
+        "every other element": wide[..., ::2].copy_(t),
+        "heads outermost": t.transpose(0, 1).contiguous().transpose(0, 1),
+    }
+
+
+@pytest.mark.parametrize("layout", list(layouts(torch.zeros(1, 1))))
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_stock_kernel_reads_any_layout(monkeypatch, layout, masked, is_causal):
+    # torch's kernels assume a unit stride in the head dimension; the layer must hand them one.
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "stock")
+    base = qkv(lq=13, lk=7, d=5, dtype=torch.float32)
+    q, k, v = (layouts(t)[layout].requires_grad_() for t in base)
+    mask = padding_mask(2, 7) if masked else None
+    assert kernel_of(q, k, v, mask, need_weights=False, is_causal=is_causal) == "torch-cpu-flash"
+    out, _ = torch.ops.fastmha.attention(q, k, v, mask, 0.0, False, is_causal)
+    grad = layouts(torch.randn_like(out))[layout]
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+
+    ref_inputs = [t.detach().double().requires_grad_() for t in base]
+    full_mask = causal_and(mask, 13, 7) if is_causal else mask
+    ref_out, _ = oracle_attention(*ref_inputs, full_mask)
+    assert_close(out, ref_out, torch.float32)
+    for got, want in zip(grads, torch.autograd.grad(ref_out, ref_inputs, grad.double())):
+        assert_close(got, want, torch.float32)
+
+
+def test_stock_kernel_takes_an_expanded_output_gradient(monkeypatch):
+    # out.sum().backward() hands the backward a gradient whose strides are all 0.
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "stock")
+    q, k, v = qkv(dtype=torch.float32, requires_grad=True)
+    out, _ = torch.ops.fastmha.attention(q, k, v, None, 0.0, False, True)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = oracle_attention(*ref_inputs, causal_and(None, 9, 11))
+    for got, want in zip(grads, torch.autograd.grad(ref_out.sum(), ref_inputs)):
+        assert_close(got, want, torch.float32)
+
+
 @pytest.mark.parametrize("forward_kernel,backward_kernel", [("own", "stock"), ("stock", "own")])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_forward_and_backward_on_different_kernels(monkeypatch, forward_kernel, backward_kernel, dtype):

@@ -8,6 +8,10 @@
 namespace fastmha::stock {
 namespace {
 
+// The stock kernels index the head dimension as if its stride were 1 and return garbage otherwise (torch's
+// SDPA checks this before it picks them); any other stride is fine.
+at::Tensor unit_last_stride(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
+
 // What the stock kernel is given instead of the user's query and mask (see the header).
 struct Prepared {
   at::Tensor query;
@@ -27,7 +31,7 @@ at::Tensor as_4d(const at::Tensor& mask) {
 Prepared prepare(const at::Tensor& query, const at::Tensor& key, const std::optional<at::Tensor>& mask,
                  bool is_causal) {
   Prepared p;
-  p.query = query;
+  p.query = unit_last_stride(query);
   if (!mask.has_value()) {
     p.is_causal = is_causal;
     return p;
@@ -42,7 +46,7 @@ Prepared prepare(const at::Tensor& query, const at::Tensor& key, const std::opti
   // the stream (and cannot run under graph capture), so the transformation always runs there.
   if (!query.is_cpu() || dead.any().item<bool>()) {
     visible = visible.logical_or(dead);
-    p.query = query.masked_fill(dead, 0);
+    p.query = p.query.masked_fill(dead, 0);
     p.dead_rows = dead;
   }
   const auto options = query.options();
@@ -109,10 +113,11 @@ std::optional<CudaBackend> cuda_backend(const at::Tensor& query, const at::Tenso
   return std::nullopt;
 }
 
-detail::AttentionForwardResult attention_forward(const at::Tensor& query, const at::Tensor& key,
-                                                 const at::Tensor& value, const std::optional<at::Tensor>& mask,
+detail::AttentionForwardResult attention_forward(const at::Tensor& query, const at::Tensor& user_key,
+                                                 const at::Tensor& user_value, const std::optional<at::Tensor>& mask,
                                                  bool is_causal, std::optional<CudaBackend> cuda) {
   TORCH_INTERNAL_ASSERT(query.is_cpu() || cuda.has_value(), "the stock CUDA path needs the chosen SDPA backend");
+  const auto key = unit_last_stride(user_key), value = unit_last_stride(user_value);
   const auto p = prepare(query, key, mask, is_causal);
   const double scale = softmax_scale(query);
   at::Tensor output, logsumexp;
@@ -135,13 +140,15 @@ detail::AttentionForwardResult attention_forward(const at::Tensor& query, const 
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
-    const at::Tensor& grad_output, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-    const std::optional<at::Tensor>& mask, const at::Tensor& output, const at::Tensor& saved_logsumexp, bool is_causal,
-    std::optional<CudaBackend> cuda) {
+    const at::Tensor& grad_output, const at::Tensor& query, const at::Tensor& user_key, const at::Tensor& user_value,
+    const std::optional<at::Tensor>& mask, const at::Tensor& user_output, const at::Tensor& saved_logsumexp,
+    bool is_causal, std::optional<CudaBackend> cuda) {
   TORCH_INTERNAL_ASSERT(query.is_cpu() || cuda.has_value(), "the stock CUDA path needs the chosen SDPA backend");
+  const auto key = unit_last_stride(user_key), value = unit_last_stride(user_value);
+  const auto output = unit_last_stride(user_output);
   const auto p = prepare(query, key, mask, is_causal);
   const double scale = softmax_scale(query);
-  const auto grad_out = grad_output.to(query.scalar_type());
+  const auto grad_out = unit_last_stride(grad_output.to(query.scalar_type()));
   const auto logsumexp = to_stock_lse(saved_logsumexp, p, key);
   at::Tensor grad_q, grad_k, grad_v;
   if (query.is_cpu()) {
