@@ -1,6 +1,11 @@
 // Fused CPU attention, compiled once per CPU capability (CPU_CAPABILITY = DEFAULT, AVX2 or AVX512, with the
 // matching vector ISA flags; see csrc/CMakeLists.txt).
 //
+// Each chunk of queries computes only the span of keys that some row of it can see (KeySpan): keys beyond
+// the last visible one (padding, causality) or before the first are masked for the whole chunk, and a -1e9
+// score next to a visible key has weight exactly 0, so skipping them changes no result. A span with no
+// masked key inside reads no mask at all.
+//
 // Work is split into (batch*head, query chunk) tasks under one at::parallel_for. A task computes its chunk's
 // scores with a BLAS GEMM, then one vectorized pass per row does scale + mask + softmax + log-sum-exp +
 // dropout in place, and a second GEMM applies the weights to V. Scores live in a per-task buffer of
@@ -14,6 +19,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -142,64 +148,157 @@ void fill_keep(const AttentionInputs<T>& in, uint64_t first, int64_t n, std::vec
   }
 }
 
-// Dropout multipliers of a chunk's rows (row stride Lk): one pass when the rows are contiguous in the score
-// layout (the whole width is used), so short rows do not each pay for a Philox batch.
+// The keys [lo, hi) a chunk of queries computes; every key outside is masked for each row of the chunk.
+// `masked`: some key inside may be masked, so the mask is read.
+struct KeySpan {
+  int64_t lo, hi;
+  bool masked;
+  int64_t size() const { return hi - lo; }
+};
+
+// Dropout multipliers of a chunk's rows over its key span (row stride Lk, columns as in the score layout):
+// one pass when the rows are contiguous in that layout (all keys), so short rows do not each pay for a
+// Philox batch.
 template <typename T>
-void fill_chunk_keep(const AttentionInputs<T>& in, int64_t first_row, int64_t rows, int64_t width,
+void fill_chunk_keep(const AttentionInputs<T>& in, int64_t first_row, int64_t rows, const KeySpan& span,
                      std::vector<uint32_t>& words, T* keep) {
   const int64_t ld = in.len_k;
-  if (width == ld) {
+  if (span.size() == ld) {
     fill_keep(in, static_cast<uint64_t>(first_row * ld), rows * ld, words, keep);
     return;
   }
   for (int64_t r = 0; r < rows; ++r) {
-    fill_keep(in, static_cast<uint64_t>((first_row + r) * ld), width, words, keep + r * ld);
+    fill_keep(in, static_cast<uint64_t>((first_row + r) * ld + span.lo), span.size(), words, keep + r * ld + span.lo);
   }
 }
 
-// Keys a chunk of queries can see: with is_causal, query i attends keys j <= i, so rows row0 .. row0+rows-1
-// need only the first row0 + rows keys (the rest are masked for the whole chunk and never computed).
-template <typename T>
-int64_t causal_width(const AttentionInputs<T>& in, int64_t row0, int64_t rows) {
-  return in.is_causal ? std::min(in.len_k, row0 + rows) : in.len_k;
+// The first and last true entry among row[0], row[stride], ... (n entries), or {n, -1} when there is none.
+// torch's bool is one byte holding 0 or 1, so unit-stride rows are searched with glibc's vectorized memchr.
+inline std::pair<int64_t, int64_t> visible_range(const bool* row, int64_t stride, int64_t n) {
+  if (stride == 1) {
+    const void* first = std::memchr(row, 1, static_cast<size_t>(n));
+    if (first == nullptr) {
+      return {n, -1};
+    }
+    const void* last = memrchr(row, 1, static_cast<size_t>(n));
+    return {static_cast<const bool*>(first) - row, static_cast<const bool*>(last) - row};
+  }
+  int64_t first = 0, last = n - 1;
+  while (first < n && !row[first * stride]) ++first;
+  while (last > first && !row[last * stride]) --last;
+  return first == n ? std::pair<int64_t, int64_t>{n, -1} : std::pair<int64_t, int64_t>{first, last};
 }
 
-// scores[r, 0:width) = scale * q[row0 + r] . k[0:width) for r < rows (row stride Lk), then the masks.
-// Returns false when a row came out masked everywhere while keys were skipped: such a row's softmax is
-// uniform over all Lk keys (the -1e9 rule), so the caller recomputes the chunk at full width.
+// Whether some entry strictly between `first` and `last` is false.
+inline bool has_hidden_key(const bool* row, int64_t stride, int64_t first, int64_t last) {
+  if (last - first < 2) {
+    return false;
+  }
+  if (stride == 1) {
+    return std::memchr(row + first + 1, 0, static_cast<size_t>(last - first - 1)) != nullptr;
+  }
+  for (int64_t j = first + 1; j < last; ++j) {
+    if (!row[j * stride]) return true;
+  }
+  return false;
+}
+
+// The keys rows row0 .. row0+rows-1 can see. With is_causal, query i attends keys j <= i, so the chunk needs
+// only the first row0 + rows keys. With a mask, the span shrinks to the chunk's first and last visible key
+// (rows whose mask rows coincide, a broadcast row stride of 0, are read once). A chunk with no visible key
+// at all takes all keys: its rows are uniform over all of them (the -1e9 rule).
 template <typename T>
-bool chunk_scores(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows, int64_t width,
+KeySpan visible_span(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows) {
+  const int64_t limit = in.is_causal ? std::min(in.len_k, row0 + rows) : in.len_k;
+  if (head.mask == nullptr) {
+    return {0, limit, false};
+  }
+  const int64_t col_stride = in.mask_stride[3];
+  if (col_stride == 0) {  // one value per row, broadcast over the keys: nothing to narrow
+    return {0, limit, true};
+  }
+  int64_t lo = limit, hi = 0;
+  bool holes = false;
+  const int64_t distinct_rows = in.mask_stride[2] == 0 ? 1 : rows;
+  for (int64_t r = 0; r < distinct_rows; ++r) {
+    const bool* row = head.mask + (row0 + r) * in.mask_stride[2];
+    const auto [first, last] = visible_range(row, col_stride, limit);
+    if (first > last) {
+      continue;  // a row with no visible key (handled by chunk_scores)
+    }
+    lo = std::min(lo, first);
+    hi = std::max(hi, last + 1);
+    holes = holes || has_hidden_key(row, col_stride, first, last);
+  }
+  if (lo >= hi) {
+    return {0, in.len_k, true};
+  }
+  // Rows with a narrower range than the union see masked keys at the span's edges.
+  for (int64_t r = 0; r < distinct_rows && !holes; ++r) {
+    const bool* row = head.mask + (row0 + r) * in.mask_stride[2];
+    holes = !row[lo * col_stride] || !row[(hi - 1) * col_stride];
+  }
+  return {lo, hi, holes};
+}
+
+// scores[r, lo:hi) = scale * q[row0 + r] . k[lo:hi) for r < rows (row stride Lk), then the masks.
+// Returns false when a row came out masked everywhere while keys were skipped: such a row's softmax is
+// uniform over all Lk keys (the -1e9 rule), so the caller recomputes the chunk over all keys.
+template <typename T>
+bool chunk_scores(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows, const KeySpan& span,
                   T* scores) {
   using Vec = Vectorized<T>;
-  const int64_t ld = in.len_k;
-  gemm<T>(false, true, rows, width, in.d_k, in.scale, head.q + row0 * in.q_stride.row, in.q_stride.row, head.k,
-          in.k_stride.row, T(0), scores, ld);
+  const int64_t ld = in.len_k, n = span.size();
+  gemm<T>(false, true, rows, n, in.d_k, in.scale, head.q + row0 * in.q_stride.row, in.q_stride.row,
+          head.k + span.lo * in.k_stride.row, in.k_stride.row, T(0), scores + span.lo, ld);
   bool complete = true;
   for (int64_t r = 0; r < rows; ++r) {
-    T* s = scores + r * ld;
-    if (head.mask) {
-      apply_mask(s, width, head.mask + (row0 + r) * in.mask_stride[2], in.mask_stride[3]);
+    T* s = scores + r * ld + span.lo;
+    if (span.masked) {
+      apply_mask(s, n, head.mask + (row0 + r) * in.mask_stride[2] + span.lo * in.mask_stride[3], in.mask_stride[3]);
     }
     if (in.is_causal) {
-      for (int64_t j = row0 + r + 1; j < width; ++j) s[j] = T(kMaskedScore);
+      for (int64_t j = std::max(row0 + r + 1, span.lo); j < span.hi; ++j) s[j - span.lo] = T(kMaskedScore);
     }
-    // Only a user mask can mask a causal row entirely (key 0 is always visible to causal rows).
-    if (head.mask && width < in.len_k && width > 0) {
-      const T max = at::vec::reduce_all<T>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s, width);
+    // Only a user mask can hide every key of a causal row (key 0 is always visible to causal rows).
+    if (head.mask && n < in.len_k && n > 0) {
+      const T max = at::vec::reduce_all<T>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s, n);
       complete = complete && max != T(kMaskedScore);
     }
   }
   return complete;
 }
 
+// Whether rows [from, to) of a value matrix hold only finite numbers (x * 0 is 0 for those, NaN otherwise).
 template <typename T>
-int64_t scores_for_chunk(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows, T* scores) {
-  const int64_t width = causal_width(in, row0, rows);
-  if (chunk_scores(in, head, row0, rows, width, scores)) {
-    return width;
+bool finite_rows(const T* v, int64_t row_stride, int64_t from, int64_t to, int64_t d) {
+  using Vec = Vectorized<T>;
+  Vec acc(T(0));
+  T tail(0);
+  for (int64_t i = from; i < to; ++i) {
+    const T* row = v + i * row_stride;
+    int64_t j = 0;
+    for (; j + Vec::size() <= d; j += Vec::size()) acc = acc + Vec::loadu(row + j) * Vec(T(0));
+    for (; j < d; ++j) tail += row[j] * T(0);
   }
-  chunk_scores(in, head, row0, rows, in.len_k, scores);
-  return in.len_k;
+  return at::vec::vec_reduce_all<T>([](Vec& a, Vec& b) { return a + b; }, acc) + tail == T(0);
+}
+
+template <typename T>
+KeySpan scores_for_chunk(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows, T* scores) {
+  const KeySpan all{0, in.len_k, head.mask != nullptr};
+  KeySpan span = visible_span(in, head, row0, rows);
+  // A skipped key's value would have been multiplied by a weight of exactly 0, which keeps a NaN or an
+  // infinity there (0 * inf is NaN): then the chunk takes all keys, so the result stays that of the math.
+  if (span.size() < in.len_k && !(finite_rows(head.v, in.v_stride.row, 0, span.lo, in.d_v) &&
+                                  finite_rows(head.v, in.v_stride.row, span.hi, in.len_k, in.d_v))) {
+    span = all;
+  }
+  if (chunk_scores(in, head, row0, rows, span, scores)) {
+    return span;
+  }
+  chunk_scores(in, head, row0, rows, all, scores);
+  return all;
 }
 
 template <typename T>
@@ -217,28 +316,33 @@ void forward_impl(const AttentionInputs<T>& in, const AttentionForwardOutputs<T>
       const Head<T> head = head_pointers(in, bh);
       const int64_t first_row = bh * in.len_q + row0;  // row index in (B*H*Lq)
       T* scores = out.weights ? out.weights + first_row * ld : buffer.data();
-      const int64_t width = scores_for_chunk(in, head, row0, rows, scores);
+      const KeySpan span = scores_for_chunk(in, head, row0, rows, scores);
+      const int64_t n = span.size();
       T* out_rows = out.out + first_row * in.d_v;
       if (in.dropout_p > 0) {
-        fill_chunk_keep(in, first_row, rows, width, words, keep.data());
+        fill_chunk_keep(in, first_row, rows, span, words, keep.data());
       }
       for (int64_t r = 0; r < rows; ++r) {
-        T* s = scores + r * ld;
-        const auto [max, sum] = exp_row(s, width);
+        T* row = scores + r * ld;
+        T* s = row + span.lo;
+        const auto [max, sum] = exp_row(s, n);
         out.lse[first_row + r] = max + std::log(sum);
         inv_sum[r] = T(1) / sum;
         if (out.weights) {
-          scale_row(s, width, inv_sum[r]);
-          std::fill(s + width, s + ld, T(0));  // keys no query of this chunk can see
+          scale_row(s, n, inv_sum[r]);
+          std::fill(row, s, T(0));  // keys no query of this chunk can see
+          std::fill(s + n, row + ld, T(0));
         }
         if (in.dropout_p > 0) {
-          at::vec::map2([](Vectorized<T> a, Vectorized<T> b) { return a * b; }, s, s, keep.data() + r * ld, width);
+          at::vec::map2([](Vectorized<T> a, Vectorized<T> b) { return a * b; }, s, s, keep.data() + r * ld + span.lo,
+                        n);
         }
       }
-      gemm<T>(false, false, rows, in.d_v, width, T(1), scores, ld, head.v, in.v_stride.row, T(0), out_rows, in.d_v);
+      gemm<T>(false, false, rows, in.d_v, n, T(1), scores + span.lo, ld, head.v + span.lo * in.v_stride.row,
+              in.v_stride.row, T(0), out_rows, in.d_v);
       if (!out.weights) {  // normalize d_v outputs per row instead of Lk weights
         for (int64_t r = 0; r < rows; ++r) {
-          scale_row(out_rows + r * in.d_v, in.d_v, width > 0 ? inv_sum[r] : T(0));
+          scale_row(out_rows + r * in.d_v, in.d_v, n > 0 ? inv_sum[r] : T(0));
         }
       }
     }
@@ -253,26 +357,29 @@ bool masked_everywhere(T lse) {
   return lse < T(kMaskedScore / 2);
 }
 
-// Zeroes dS where the scores were overwritten (mask == 0, or above the diagonal when causal).
+// Zeroes dS where the scores were overwritten (mask == 0, or above the diagonal when causal); ds holds the
+// span's columns.
 template <typename T>
-void zero_masked(const AttentionInputs<T>& in, const Head<T>& head, int64_t query, int64_t width, T* ds) {
-  if (head.mask) {
+void zero_masked(const AttentionInputs<T>& in, const Head<T>& head, int64_t query, const KeySpan& span, T* ds) {
+  if (span.masked) {
     const bool* mask_row = head.mask + query * in.mask_stride[2];
-    for (int64_t j = 0; j < width; ++j) {
-      if (!mask_row[j * in.mask_stride[3]]) ds[j] = T(0);
+    for (int64_t j = span.lo; j < span.hi; ++j) {
+      if (!mask_row[j * in.mask_stride[3]]) ds[j - span.lo] = T(0);
     }
   }
   if (in.is_causal) {
-    for (int64_t j = query + 1; j < width; ++j) ds[j] = T(0);
+    for (int64_t j = std::max(query + 1, span.lo); j < span.hi; ++j) ds[j - span.lo] = T(0);
   }
 }
 
 // One pass over a row: P = exp(S - lse), dP = dW * keep, dS = P * (dP - D), W = P * keep, where
 // D = sum_j dP_j P_j = dO . O (the forward output row; true with dropout too), so no row reduction is needed.
-// Masked scores have P = 0 exactly (exp(-1e9 - lse)), hence dS = 0, except in rows masked everywhere.
+// Masked scores have P = 0 exactly (exp(-1e9 - lse)), hence dS = 0, except in rows masked everywhere (whose
+// span is all keys). p, dw and keep hold the span's columns.
 template <typename T>
 void fused_backward_row(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, int64_t row, int64_t query,
-                        int64_t width, const Head<T>& head, T* p, T* dw, const T* keep) {
+                        const KeySpan& span, const Head<T>& head, T* p, T* dw, const T* keep) {
+  const int64_t width = span.size();
   using Vec = Vectorized<T>;
   const T* grad_out = g.grad_out + row * in.d_v;
   const T* out = g.out + row * in.d_v;
@@ -288,7 +395,7 @@ void fused_backward_row(const AttentionInputs<T>& in, const AttentionBackwardTen
       p[j] = prob * k;
       dw[j] = prob * (dw[j] * k - d);
     }
-    zero_masked(in, head, query, width, dw);
+    zero_masked(in, head, query, span, dw);
     return;
   }
   int64_t j = 0;
@@ -336,18 +443,21 @@ void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<
         const int64_t first_row = bh * in.len_q + row0;
         const T* grad_out = g.grad_out + first_row * in.d_v;
         // P = exp(S - lse), recomputed; dW = dO V^T (+ the gradient of the returned weights)
-        const int64_t width = scores_for_chunk(in, head, row0, rows, probs.data());
-        gemm<T>(false, true, rows, width, in.d_v, T(1), grad_out, in.d_v, head.v, in.v_stride.row, T(0), grad_w.data(),
-                ld);
+        const KeySpan span = scores_for_chunk(in, head, row0, rows, probs.data());
+        const int64_t width = span.size();
+        const T* v_span = head.v + span.lo * in.v_stride.row;
+        const T* k_span = head.k + span.lo * in.k_stride.row;
+        gemm<T>(false, true, rows, width, in.d_v, T(1), grad_out, in.d_v, v_span, in.v_stride.row, T(0),
+                grad_w.data() + span.lo, ld);
         if (in.dropout_p > 0) {
-          fill_chunk_keep(in, first_row, rows, width, words, keep.data());
+          fill_chunk_keep(in, first_row, rows, span, words, keep.data());
         }
         for (int64_t r = 0; r < rows; ++r) {
-          T* p = probs.data() + r * ld;
-          T* dw = grad_w.data() + r * ld;
-          const T* keep_row = in.dropout_p > 0 ? keep.data() + r * ld : nullptr;
+          T* p = probs.data() + r * ld + span.lo;
+          T* dw = grad_w.data() + r * ld + span.lo;
+          const T* keep_row = in.dropout_p > 0 ? keep.data() + r * ld + span.lo : nullptr;
           if (g.out != nullptr && g.grad_weights == nullptr) {
-            fused_backward_row(in, g, first_row + r, row0 + r, width, head, p, dw, keep_row);
+            fused_backward_row(in, g, first_row + r, row0 + r, span, head, p, dw, keep_row);
             continue;
           }
           const Vec lse(g.lse[first_row + r]);
@@ -357,7 +467,7 @@ void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<
             at::vec::map([lse](Vec s) { return (s - lse).exp(); }, p, p, width);
           }
           if (g.grad_weights) {
-            const T* gw = g.grad_weights + (first_row + r) * ld;
+            const T* gw = g.grad_weights + (first_row + r) * ld + span.lo;
             at::vec::map2([](Vec a, Vec b) { return a + b; }, dw, dw, gw, width);
           }
           // With dropout: dP = dW * keep, and the weights that were applied are W = P * keep.
@@ -369,17 +479,18 @@ void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<
           // dS = P * (dP - sum_j dP_j P_j) into dW's row; masked scores were overwritten: no gradient there.
           const Vec dot_vec(dot);
           at::vec::map2([dot_vec](Vec pj, Vec dpj) { return pj * (dpj - dot_vec); }, dw, p, dw, width);
-          zero_masked(in, head, row0 + r, width, dw);
+          zero_masked(in, head, row0 + r, span, dw);
           if (in.dropout_p > 0) {  // P's row becomes W for the dV GEMM
             at::vec::map2([](Vec a, Vec b) { return a * b; }, p, p, keep_row, width);
           }
         }
         // dV += W^T dO ; dQ = scale * dS K ; dK += scale * dS^T Q (over the keys this chunk sees)
-        gemm<T>(true, false, width, in.d_v, rows, T(1), probs.data(), ld, grad_out, in.d_v, T(1), grad_v, in.d_v);
-        gemm<T>(false, false, rows, in.d_k, width, in.scale, grad_w.data(), ld, head.k, in.k_stride.row, T(0),
+        gemm<T>(true, false, width, in.d_v, rows, T(1), probs.data() + span.lo, ld, grad_out, in.d_v, T(1),
+                grad_v + span.lo * in.d_v, in.d_v);
+        gemm<T>(false, false, rows, in.d_k, width, in.scale, grad_w.data() + span.lo, ld, k_span, in.k_stride.row, T(0),
                 g.grad_q + first_row * in.d_k, in.d_k);
-        gemm<T>(true, false, width, in.d_k, rows, in.scale, grad_w.data(), ld, head.q + row0 * in.q_stride.row,
-                in.q_stride.row, T(1), grad_k, in.d_k);
+        gemm<T>(true, false, width, in.d_k, rows, in.scale, grad_w.data() + span.lo, ld,
+                head.q + row0 * in.q_stride.row, in.q_stride.row, T(1), grad_k + span.lo * in.d_k, in.d_k);
       }
     }
   });

@@ -1,0 +1,111 @@
+"""fastmha's CPU kernels compute, per chunk of queries, only the keys between the first and the last one that
+some query of the chunk can see (padding and causality skipped), and read no mask where none of those keys
+is masked. Skipping must change no result: each mask kind below, in every dtype, forward and backward, with
+and without kept weights, against the oracle. Query chunks are 128 rows at these lengths, so Lq = 260 gives
+three chunks, the last one partial.
+"""
+
+import pytest
+import torch
+from conftest import assert_close
+from oracle import oracle_attention
+
+import fastmha
+
+B, H, LQ, LK, D = 3, 2, 260, 70, 8
+CHUNK = 128
+
+
+def padding(lengths, left=False):
+    keys = torch.arange(LK)
+    rows = [(keys >= LK - n) if left else (keys < n) for n in lengths]
+    return torch.stack(rows)[:, None, None, :]
+
+
+def mask_cases():
+    causal = torch.ones(LQ, LK, dtype=torch.bool).tril()
+    dead_at_edges = padding([20, 5, LK]).expand(B, 1, LQ, LK).clone()
+    for row in (0, CHUNK - 1, CHUNK, 2 * CHUNK - 1, LQ - 1):  # rows with no visible key, at chunk edges
+        dead_at_edges[1, 0, row] = False
+    holes = torch.rand(LQ, LK) > 0.3
+    holes[:, 40:] = False  # and a padded tail
+    return {
+        "all visible": torch.ones(B, 1, 1, LK, dtype=torch.int64),
+        "all masked": torch.zeros(B, 1, 1, LK, dtype=torch.int64),
+        "right padding (int)": padding([LK, 1, 23]).to(torch.int64),
+        "left padding": padding([LK, 1, 23], left=True),
+        "padding and causal (B, 1, Lq, Lk)": (padding([30, 1, 64]) & causal).to(torch.int64),
+        "holes and padding (Lq, Lk)": holes,
+        "rows with no key at chunk edges": dead_at_edges,
+        "per query, broadcast over keys": (torch.arange(LQ) % 3 != 0).reshape(1, 1, LQ, 1),
+        "only the last key": torch.arange(LK) == LK - 1,
+        "only the first key, float": (torch.arange(LK) == 0).to(torch.float32),
+        "transposed storage": padding([9, 33, LK]).reshape(B, LK).t().contiguous().t()[:, None, None, :],
+    }
+
+
+def causal_and(mask, is_causal):
+    if not is_causal:
+        return mask
+    return (mask != 0) & torch.ones(LQ, LK, dtype=torch.bool).tril()
+
+
+@pytest.mark.parametrize("case", list(mask_cases()))
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_skipped_keys_change_no_result(monkeypatch, case, is_causal, need_weights, dtype):
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
+    mask = mask_cases()[case]
+    q, k, v = (torch.randn(B, H, n, D, dtype=dtype, requires_grad=True) for n in (LQ, LK, LK))
+    out, weights = torch.ops.fastmha.attention(q, k, v, mask, 0.0, need_weights, is_causal)
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_weights = oracle_attention(*ref_inputs, causal_and(mask, is_causal))
+    ref_grads = torch.autograd.grad(ref_out, ref_inputs, grad.double())
+    assert_close(out, ref_out, dtype)
+    if need_weights:
+        assert_close(weights, ref_weights, dtype)
+        assert (weights[ref_weights == 0] == 0).all()  # exact zeros where skipped or masked
+    for got, want in zip(grads, ref_grads):
+        assert_close(got, want, dtype)
+
+
+def test_nan_value_under_a_causally_skipped_key_propagates_like_the_oracle():
+    # The oracle multiplies the value by a weight of 0, and 0 * NaN is NaN: skipping must not clean it.
+    q, k, v = (torch.randn(1, 2, 200, 8, dtype=torch.float64) for _ in range(3))
+    v[0, 1, 199, 3] = float("nan")
+    out, weights = torch.ops.fastmha.attention(q, k, v, None, 0.0, True, True)
+    ref_out, ref_weights = oracle_attention(q, k, v, torch.ones(200, 200, dtype=torch.bool).tril())
+    torch.testing.assert_close(out, ref_out, equal_nan=True)
+    torch.testing.assert_close(weights, ref_weights)
+    assert torch.isnan(out[0, 1, :, 3]).all() and torch.isfinite(out[0, 0]).all()
+
+
+def test_dropout_draws_the_same_mask_when_keys_are_skipped():
+    # A NaN value under a padded key makes every chunk take all keys; the weights (which do not read the
+    # values) and so the dropout draws must be the same as with the padded keys skipped.
+    q, k, v = (torch.randn(2, 2, 150, 8, dtype=torch.float32) for _ in range(3))
+    mask = padding([LK, 12])[:2].expand(2, 1, 1, LK)
+    k, v = k[:, :, :LK], v[:, :, :LK]
+    poisoned = v.clone()
+    poisoned[1, :, LK - 1] = float("nan")
+    torch.manual_seed(5)
+    _, skipped = torch.ops.fastmha.attention(q, k, v, mask, 0.3, True, False)
+    torch.manual_seed(5)
+    _, all_keys = torch.ops.fastmha.attention(q, k, poisoned, mask, 0.3, True, False)
+    assert torch.equal(skipped != 0, all_keys != 0)
+    torch.testing.assert_close(skipped, all_keys)  # sums over more (zero) terms may round differently
+    assert (skipped[1, :, :, 12:] == 0).all() and (skipped[1, :, :, :12] == 0).any()
+
+
+def test_padded_batches_choose_the_kernel_that_skips():
+    q, k, v = (torch.randn(2, 2, 64, 8) for _ in range(3))
+    heavy = padding([6, 10])[:2]
+    light = padding([LK, 60])[:2]
+    k, v = torch.randn(2, 2, LK, 8), torch.randn(2, 2, LK, 8)
+    forward = fastmha.explain(q, k, v, heavy, need_weights=False).splitlines()[0]
+    assert forward.startswith("forward fastmha-cpu") and "skips" in forward
+    assert fastmha.explain(q, k, v, light, need_weights=False).startswith("forward torch-cpu-flash")
