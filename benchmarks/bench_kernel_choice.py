@@ -6,10 +6,16 @@ For each dtype, length and pass (forward under no_grad; forward + backward), one
   stock  the same op with FASTMHA_CPU_KERNELS=stock                 (torch's CPU flash kernel behind the layer)
   auto   the same op with the default choice                        (what users get)
   sdpa   F.scaled_dot_product_attention on the same tensors         (the peer)
-Inputs are (B, 8, L, 64), no mask, dropout 0, need_weights=False. Medians over --repeats rounds; ratios are
-sdpa time / kernel time (> 1: faster than SDPA). Results are stamped with the CPU model and ISA.
+Inputs are (B, 8, L, 64), dropout 0, need_weights=False, and one of these masks (--masks), which SDPA gets too
+(as a bool attn_mask):
+  none            no mask
+  padding         (B, 1, 1, L) int64, each sequence keeps its first 10-25% of the keys (a padded batch)
+  padding+causal  (B, 1, L, L) int64, the same padding and the causal triangle (a padded decoder batch)
+Medians over --repeats rounds; ratios are sdpa time / kernel time (> 1: faster than SDPA). Results are stamped
+with the CPU model and ISA.
 
     python benchmarks/bench_kernel_choice.py --out benchmarks/results/kernel-choice-DATE
+    python benchmarks/bench_kernel_choice.py --masks padding,padding+causal --out ...
     python benchmarks/bench_kernel_choice.py --quick     # a smoke run (seconds)
 """
 
@@ -31,35 +37,49 @@ from fastmha.info import cpu_lines
 KERNELS = ["own", "stock", "auto", "sdpa"]
 SIZES = [(16, 128), (4, 512), (2, 1024), (1, 4096)]  # (batch, length): about the same work each
 QUICK_SIZES = [(2, 64)]
+PADDED_SIZES = [(8, 350), (2, 1024), (1, 4096)]  # 350: the textbook's padded sentence length
+MASKS = ["none", "padding", "padding+causal"]
 
 
-def run_once(kernel, q, k, v, backward):
+def make_mask(kind, batch, length):
+    if kind == "none":
+        return None
+    generator = torch.Generator().manual_seed(batch * length)
+    kept = torch.randint(length // 10, length // 4 + 1, (batch,), generator=generator)
+    visible = torch.arange(length)[None, :] < kept[:, None]
+    if kind == "padding":
+        return visible[:, None, None, :].to(torch.int64)
+    return (visible[:, None, None, :] & torch.ones(length, length, dtype=torch.bool).tril()).to(torch.int64)
+
+
+def run_once(kernel, q, k, v, mask, backward):
     if kernel != "sdpa":
         os.environ["FASTMHA_CPU_KERNELS"] = kernel
     start = time.perf_counter()
     with torch.set_grad_enabled(backward):
         if kernel == "sdpa":
-            out = F.scaled_dot_product_attention(q, k, v)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask != 0)
         else:
-            out, _ = torch.ops.fastmha.attention(q, k, v, None, 0.0, False, False)
+            out, _ = torch.ops.fastmha.attention(q, k, v, mask, 0.0, False, False)
         if backward:
             out.backward(torch.ones_like(out))
     return time.perf_counter() - start
 
 
-def measure(dtype, batch, length, backward, repeats):
+def measure(dtype, batch, length, mask_kind, backward, repeats):
     q, k, v = (torch.randn(batch, 8, length, 64, dtype=dtype, requires_grad=backward) for _ in range(3))
+    mask = make_mask(mask_kind, batch, length)
     times = {kernel: [] for kernel in KERNELS}
     for kernel in KERNELS:  # warm-up
-        run_once(kernel, q, k, v, backward)
+        run_once(kernel, q, k, v, mask, backward)
     for _ in range(repeats):
         for kernel in KERNELS:
-            times[kernel].append(run_once(kernel, q, k, v, backward))
+            times[kernel].append(run_once(kernel, q, k, v, mask, backward))
     os.environ.pop("FASTMHA_CPU_KERNELS", None)
-    choice = fastmha.explain(q, k, v, need_weights=False).splitlines()
+    choice = fastmha.explain(q, k, v, mask, need_weights=False).splitlines()
     medians = {kernel: statistics.median(t) for kernel, t in times.items()}
     return {
-        "dtype": str(dtype).replace("torch.", ""), "batch": batch, "length": length,
+        "dtype": str(dtype).replace("torch.", ""), "batch": batch, "length": length, "mask": mask_kind,
         "pass": "fwd+bwd" if backward else "fwd", "ms": {k: round(t * 1e3, 3) for k, t in medians.items()},
         "sdpa_over": {k: round(medians["sdpa"] / medians[k], 3) for k in ("own", "stock", "auto")},
         "auto_runs": [line.split(":")[0] for line in choice],
@@ -71,37 +91,43 @@ def main():
     parser.add_argument("--out", type=Path, help="write OUT.json and OUT.md")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtypes", default="float32,bfloat16,float16")
+    parser.add_argument("--masks", default="none", help=f"comma-separated, of {MASKS}")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
-    sizes = QUICK_SIZES if args.quick else SIZES
+    masks = args.masks.split(",")
+    if unknown := set(masks) - set(MASKS):
+        parser.error(f"unknown masks {sorted(unknown)}; choose from {MASKS}")
     repeats = 1 if args.quick else args.repeats
     stamp = cpu_lines()
     header = [f"fastmha {fastmha.__version__} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
               f"{datetime.date.today()}", *stamp]
     print("\n".join(header), flush=True)
     rows = []
-    for dtype_name in args.dtypes.split(","):
-        dtype = getattr(torch, dtype_name)
-        for batch, length in sizes:
-            for backward in (False, True):
-                row = measure(dtype, batch, length, backward, repeats)
-                rows.append(row)
-                print(f"{row['dtype']:9s} B{batch:3d} L{length:5d} {row['pass']:8s} "
-                      + " ".join(f"{k} {row['ms'][k]:9.2f} ms" for k in KERNELS)
-                      + " | sdpa/own {own:.2f} sdpa/stock {stock:.2f} sdpa/auto {auto:.2f}".format(**row["sdpa_over"]),
-                      flush=True)
+    for mask_kind in masks:
+        sizes = QUICK_SIZES if args.quick else SIZES if mask_kind == "none" else PADDED_SIZES
+        for dtype_name in args.dtypes.split(","):
+            dtype = getattr(torch, dtype_name)
+            for batch, length in sizes:
+                for backward in (False, True):
+                    row = measure(dtype, batch, length, mask_kind, backward, repeats)
+                    rows.append(row)
+                    print(f"{mask_kind:14s} {row['dtype']:9s} B{batch:3d} L{length:5d} {row['pass']:8s} "
+                          + " ".join(f"{k} {row['ms'][k]:9.2f} ms" for k in KERNELS)
+                          + " | sdpa/own {own:.2f} sdpa/stock {stock:.2f} sdpa/auto {auto:.2f}".format(
+                              **row["sdpa_over"]), flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.with_suffix(".json").write_text(json.dumps({"machine": header, "rows": rows}, indent=1) + "\n")
         lines = ["# CPU kernel choice: fastmha's kernel, torch's flash kernel, the default choice, and SDPA", "",
                  *[f"- {line}" for line in header], "",
-                 "(B, 8, L, 64), no mask, dropout 0, need_weights=False; medians of "
-                 f"{repeats}; ratio = SDPA time / kernel time (> 1: faster than SDPA).", "",
-                 "| dtype | B | L | pass | own ms | stock ms | auto ms | SDPA ms | SDPA/own | SDPA/stock | SDPA/auto "
-                 "| auto runs |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                 "(B, 8, L, 64), dropout 0, need_weights=False, masks as in the script's docstring (SDPA gets the "
+                 f"same mask); medians of {repeats}; ratio = SDPA time / kernel time (> 1: faster than SDPA).", "",
+                 "| mask | dtype | B | L | pass | own ms | stock ms | auto ms | SDPA ms | SDPA/own | SDPA/stock "
+                 "| SDPA/auto | auto runs |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
-            lines.append(f"| {r['dtype']} | {r['batch']} | {r['length']} | {r['pass']} | {r['ms']['own']} | "
-                         f"{r['ms']['stock']} | {r['ms']['auto']} | {r['ms']['sdpa']} | {r['sdpa_over']['own']} | "
+            lines.append(f"| {r['mask']} | {r['dtype']} | {r['batch']} | {r['length']} | {r['pass']} | "
+                         f"{r['ms']['own']} | {r['ms']['stock']} | {r['ms']['auto']} | {r['ms']['sdpa']} | "
+                         f"{r['sdpa_over']['own']} | "
                          f"{r['sdpa_over']['stock']} | {r['sdpa_over']['auto']} | {', '.join(r['auto_runs'])} |")
         args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     return 0

@@ -39,8 +39,9 @@ ISA_FLAGS = (
 
 
 def cpu_model_and_flags():
-    """The CPU's model name and its /proc/cpuinfo flags (empty where the file does not exist)."""
-    model, flags = platform.processor() or "unknown", set()
+    """The CPU's model name (with its family and model numbers, which tell CPU generations apart where a
+    virtual machine shows a short name) and its /proc/cpuinfo flags (empty where the file does not exist)."""
+    model, flags, numbers = platform.processor() or "unknown", set(), {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
             for line in cpuinfo:
@@ -48,10 +49,14 @@ def cpu_model_and_flags():
                 key = key.strip()
                 if key == "model name" and model in ("unknown", "", platform.machine()):
                     model = value.strip()
+                elif key in ("cpu family", "model") and key not in numbers:
+                    numbers[key] = value.strip()
                 elif key == "flags" and not flags:
                     flags = set(value.split())
     except OSError:
         pass
+    if len(numbers) == 2:
+        model += f" (family {numbers['cpu family']}, model {numbers['model']})"
     return model, flags
 
 

@@ -1,5 +1,6 @@
-"""The GPU benchmark's harness runs end to end on tiny CPU shapes (its numbers are not checked: benchmarks
-measure, tests don't), so the script a GPU machine runs cannot rot between runs on one."""
+"""The benchmarks' harnesses run end to end on tiny CPU shapes (their numbers are not checked: benchmarks
+measure, tests don't), so a script that runs only now and then (on a GPU machine, or to set the kernel choice)
+cannot rot in between."""
 
 import json
 import subprocess
@@ -18,3 +19,24 @@ def test_bench_cuda_smoke_writes_every_result_file(tmp_path):
     assert {(r["case"], r["mode"]) for r in rows} == {(c, m) for c in ("none", "causal", "padding+dropout")
                                                        for m in ("fwd", "fwd+bwd")}
     assert all(r["ms_fastmha"] > 0 and r["ms_oracle"] > 0 for r in rows)
+
+
+def test_bench_kernel_choice_quick_run_with_every_mask(tmp_path):
+    out = tmp_path / "choice"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_kernel_choice.py"), "--quick", "--dtypes",
+                    "float32", "--masks", "none,padding,padding+causal", "--out", str(out)], check=True,
+                   capture_output=True, timeout=300)
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert {(r["mask"], r["pass"]) for r in rows} == {(m, p) for m in ("none", "padding", "padding+causal")
+                                                      for p in ("fwd", "fwd+bwd")}
+    assert all(t > 0 for r in rows for t in r["ms"].values())
+    assert "| padding+causal | float32 |" in out.with_suffix(".md").read_text()
+
+
+def test_bench_model_quick_run_trains_and_decodes_with_both_blocks(tmp_path):
+    out = tmp_path / "model"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_model.py"), "--quick", "--out", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert [r["task"] for r in result["rows"]] == ["train", "decode"]
+    assert all(r["ms"]["oracle"] > 0 and r["ms"]["fastmha"] > 0 for r in result["rows"])
