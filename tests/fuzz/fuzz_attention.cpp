@@ -1,12 +1,14 @@
 // libFuzzer target for the op boundary: shapes, strides, dtypes, masks, dropout and flags decoded from bytes
 // drive fastmha::attention and its backward. Invalid combinations must raise c10::Error (caught here); valid
-// ones must return correctly shaped, finite results. Crashes, hangs and sanitizer reports are the findings.
+// ones must return correctly shaped, finite results, and in float64 without dropout the oracle's output and
+// gradients. Crashes, hangs, sanitizer reports and wrong numbers are the findings.
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 
+#include <fastmha/ops.h>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
-#include <fastmha/ops.h>
 
 namespace {
 
@@ -35,6 +37,35 @@ at::Tensor make(Bytes& in, at::IntArrayRef sizes, at::ScalarType dtype) {
   }
 }
 
+// The formulas in plain ATen ops: softmax(Q K^T / sqrt(d_k), masked to -1e9) V, top-left causal.
+at::Tensor oracle(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
+                  bool is_causal) {
+  auto scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(q.size(-1)));
+  if (mask.has_value()) {
+    scores = scores.masked_fill(mask->eq(0), -1e9);
+  }
+  if (is_causal) {
+    scores = scores.masked_fill(at::ones({q.size(2), k.size(2)}, at::kBool).tril().logical_not(), -1e9);
+  }
+  return at::matmul(scores.softmax(-1), v);
+}
+
+// In float64 without dropout the results must be the oracle's: output, and the gradients of q and v.
+void check_against_oracle(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const std::optional<at::Tensor>& mask, bool is_causal, const at::Tensor& out) {
+  auto ref_q = q.detach().clone().requires_grad_(true), ref_v = v.detach().clone().requires_grad_(true);
+  const auto ref = oracle(ref_q, k, ref_v, mask, is_causal);
+  if (!at::allclose(out.detach(), ref.detach(), 1e-9, 1e-11)) abort();
+  if (!q.requires_grad() || out.numel() == 0) {
+    return;
+  }
+  const auto grads = torch::autograd::grad({out}, {q, v}, {at::ones_like(out)});
+  const auto ref_grads = torch::autograd::grad({ref}, {ref_q, ref_v}, {at::ones_like(ref)});
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (!at::allclose(grads[i], ref_grads[i], 1e-9, 1e-11)) abort();
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -51,11 +82,20 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto v = make(in, {b, h, bad_len ? lk + 1 : lk, dv}, dtype);
   std::optional<at::Tensor> mask;
   switch (in.next() % 5) {
-    case 1: mask = (at::rand({b, 1, 1, lk}) > 0.3).to(mask_dtype); break;
-    case 2: mask = (at::rand({lq, lk}) > 0.3).to(mask_dtype); break;
-    case 3: mask = (at::rand({1, h, 1, lk}) > 0.3).to(mask_dtype).expand({b, h, lq, lk}); break;
-    case 4: mask = at::ones({in.range(0, 3), lk + 1}, mask_dtype); break;  // usually does not broadcast
-    default: break;
+    case 1:
+      mask = (at::rand({b, 1, 1, lk}) > 0.3).to(mask_dtype);
+      break;
+    case 2:
+      mask = (at::rand({lq, lk}) > 0.3).to(mask_dtype);
+      break;
+    case 3:
+      mask = (at::rand({1, h, 1, lk}) > 0.3).to(mask_dtype).expand({b, h, lq, lk});
+      break;
+    case 4:
+      mask = at::ones({in.range(0, 3), lk + 1}, mask_dtype);
+      break;  // usually does not broadcast
+    default:
+      break;
   }
   const double dropout = in.next() % 4 == 0 ? in.next() / 200.0 : 0.0;  // sometimes >= 1: must be rejected
   const bool need_weights = in.next() % 2, is_causal = in.next() % 2, backward = in.next() % 2;
@@ -68,6 +108,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     auto [out, weights] = fastmha::attention(q, k, v, mask, dropout, need_weights, is_causal);
     if (out.sizes() != at::IntArrayRef({b, h, lq, dv}) || !at::isfinite(out).all().item<bool>()) abort();
     if (need_weights && weights.sizes() != at::IntArrayRef({b, h, lq, lk})) abort();
+    if (dtype == at::kDouble && dropout == 0.0 && dk > 0) {
+      check_against_oracle(q, k, v, mask, is_causal, out);
+      return 0;
+    }
     if (backward && floating && out.numel() > 0) {
       out.to(at::kFloat).sum().backward();
       if (!at::isfinite(q.grad()).all().item<bool>()) abort();
