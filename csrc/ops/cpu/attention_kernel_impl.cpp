@@ -156,19 +156,30 @@ struct KeySpan {
   int64_t size() const { return hi - lo; }
 };
 
-// Dropout multipliers of a chunk's rows over its key span (row stride Lk, columns as in the score layout):
-// one pass when the rows are contiguous in that layout (all keys), so short rows do not each pay for a
-// Philox batch.
+// Where a chunk's score rows live: in the kept weights (row stride Lk, the span at its own columns), or packed
+// in a task buffer (row stride = the span's size), so that a short span of long rows stays dense in cache.
+template <typename T>
+struct ScoreRows {
+  T* base;
+  bool packed;
+  int64_t len_k;
+  int64_t ld(const KeySpan& span) const { return packed ? std::max<int64_t>(span.size(), 1) : len_k; }
+  T* first(const KeySpan& span) const { return packed ? base : base + span.lo; }
+};
+
+// Dropout multipliers of a chunk's rows over its key span, packed (row stride = the span's size): one pass
+// when the rows are contiguous in the score layout (all keys), so short rows do not each pay for a Philox
+// batch.
 template <typename T>
 void fill_chunk_keep(const AttentionInputs<T>& in, int64_t first_row, int64_t rows, const KeySpan& span,
                      std::vector<uint32_t>& words, T* keep) {
-  const int64_t ld = in.len_k;
-  if (span.size() == ld) {
-    fill_keep(in, static_cast<uint64_t>(first_row * ld), rows * ld, words, keep);
+  const int64_t n = span.size();
+  if (n == in.len_k) {
+    fill_keep(in, static_cast<uint64_t>(first_row * n), rows * n, words, keep);
     return;
   }
   for (int64_t r = 0; r < rows; ++r) {
-    fill_keep(in, static_cast<uint64_t>((first_row + r) * ld + span.lo), span.size(), words, keep + r * ld + span.lo);
+    fill_keep(in, static_cast<uint64_t>((first_row + r) * in.len_k + span.lo), n, words, keep + r * n);
   }
 }
 
@@ -241,19 +252,19 @@ KeySpan visible_span(const AttentionInputs<T>& in, const Head<T>& head, int64_t 
   return {lo, hi, holes};
 }
 
-// scores[r, lo:hi) = scale * q[row0 + r] . k[lo:hi) for r < rows (row stride Lk), then the masks.
-// Returns false when a row came out masked everywhere while keys were skipped: such a row's softmax is
-// uniform over all Lk keys (the -1e9 rule), so the caller recomputes the chunk over all keys.
+// Score row r, key j (lo <= j < hi) = scale * q[row0 + r] . k[j] for r < rows, then the masks. Returns
+// false when a row came out masked everywhere while keys were skipped: such a row's softmax is uniform over
+// all Lk keys (the -1e9 rule), so the caller recomputes the chunk over all keys.
 template <typename T>
 bool chunk_scores(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows, const KeySpan& span,
-                  T* scores) {
+                  const ScoreRows<T>& scores) {
   using Vec = Vectorized<T>;
-  const int64_t ld = in.len_k, n = span.size();
+  const int64_t ld = scores.ld(span), n = span.size();
   gemm<T>(false, true, rows, n, in.d_k, in.scale, head.q + row0 * in.q_stride.row, in.q_stride.row,
-          head.k + span.lo * in.k_stride.row, in.k_stride.row, T(0), scores + span.lo, ld);
+          head.k + span.lo * in.k_stride.row, in.k_stride.row, T(0), scores.first(span), ld);
   bool complete = true;
   for (int64_t r = 0; r < rows; ++r) {
-    T* s = scores + r * ld + span.lo;
+    T* s = scores.first(span) + r * ld;
     if (span.masked) {
       apply_mask(s, n, head.mask + (row0 + r) * in.mask_stride[2] + span.lo * in.mask_stride[3], in.mask_stride[3]);
     }
@@ -284,14 +295,41 @@ bool finite_rows(const T* v, int64_t row_stride, int64_t from, int64_t to, int64
   return at::vec::vec_reduce_all<T>([](Vec& a, Vec& b) { return a + b; }, acc) + tail == T(0);
 }
 
+// The first and the last value row of a head that holds a NaN or an infinity, found once per head (a task
+// keeps one of these and walks its chunks head by head).
 template <typename T>
-KeySpan scores_for_chunk(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows, T* scores) {
+class NonFiniteValues {
+ public:
+  // Whether such a row lies outside the span of keys (a skipped key).
+  bool outside(const AttentionInputs<T>& in, const Head<T>& head, int64_t head_index, const KeySpan& span) {
+    if (head_index != head_index_) {
+      head_index_ = head_index;
+      first_ = in.len_k;
+      last_ = -1;
+      if (!finite_rows(head.v, in.v_stride.row, 0, in.len_k, in.d_v)) {
+        for (int64_t i = 0; i < in.len_k; ++i) {
+          if (!finite_rows(head.v, in.v_stride.row, i, i + 1, in.d_v)) {
+            first_ = std::min(first_, i);
+            last_ = i;
+          }
+        }
+      }
+    }
+    return first_ <= last_ && (first_ < span.lo || last_ >= span.hi);
+  }
+
+ private:
+  int64_t head_index_ = -1, first_ = 0, last_ = -1;
+};
+
+template <typename T>
+KeySpan scores_for_chunk(const AttentionInputs<T>& in, const Head<T>& head, int64_t head_index, int64_t row0,
+                         int64_t rows, const ScoreRows<T>& scores, NonFiniteValues<T>& non_finite) {
   const KeySpan all{0, in.len_k, head.mask != nullptr};
   KeySpan span = visible_span(in, head, row0, rows);
   // A skipped key's value would have been multiplied by a weight of exactly 0, which keeps a NaN or an
   // infinity there (0 * inf is NaN): then the chunk takes all keys, so the result stays that of the math.
-  if (span.size() < in.len_k && !(finite_rows(head.v, in.v_stride.row, 0, span.lo, in.d_v) &&
-                                  finite_rows(head.v, in.v_stride.row, span.hi, in.len_k, in.d_v))) {
+  if (span.size() < in.len_k && non_finite.outside(in, head, head_index, span)) {
     span = all;
   }
   if (chunk_scores(in, head, row0, rows, span, scores)) {
@@ -309,37 +347,38 @@ void forward_impl(const AttentionInputs<T>& in, const AttentionForwardOutputs<T>
   const int64_t ld = in.len_k;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> buffer(out.weights ? 0 : chunk * ld), inv_sum(chunk), keep(in.dropout_p > 0 ? chunk * ld : 0);
+    const bool packed = out.weights == nullptr;
+    NonFiniteValues<T> non_finite;
     std::vector<uint32_t> words;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / chunks, row0 = (task % chunks) * chunk;
       const int64_t rows = std::min(chunk, in.len_q - row0);
       const Head<T> head = head_pointers(in, bh);
       const int64_t first_row = bh * in.len_q + row0;  // row index in (B*H*Lq)
-      T* scores = out.weights ? out.weights + first_row * ld : buffer.data();
-      const KeySpan span = scores_for_chunk(in, head, row0, rows, scores);
-      const int64_t n = span.size();
+      const ScoreRows<T> scores{packed ? buffer.data() : out.weights + first_row * ld, packed, ld};
+      const KeySpan span = scores_for_chunk(in, head, bh, row0, rows, scores, non_finite);
+      const int64_t n = span.size(), score_ld = scores.ld(span);
+      T* const first = scores.first(span);
       T* out_rows = out.out + first_row * in.d_v;
       if (in.dropout_p > 0) {
         fill_chunk_keep(in, first_row, rows, span, words, keep.data());
       }
       for (int64_t r = 0; r < rows; ++r) {
-        T* row = scores + r * ld;
-        T* s = row + span.lo;
+        T* s = first + r * score_ld;
         const auto [max, sum] = exp_row(s, n);
         out.lse[first_row + r] = max + std::log(sum);
         inv_sum[r] = T(1) / sum;
         if (out.weights) {
           scale_row(s, n, inv_sum[r]);
-          std::fill(row, s, T(0));  // keys no query of this chunk can see
-          std::fill(s + n, row + ld, T(0));
+          std::fill(s - span.lo, s, T(0));  // keys no query of this chunk can see
+          std::fill(s + n, s - span.lo + ld, T(0));
         }
         if (in.dropout_p > 0) {
-          at::vec::map2([](Vectorized<T> a, Vectorized<T> b) { return a * b; }, s, s, keep.data() + r * ld + span.lo,
-                        n);
+          at::vec::map2([](Vectorized<T> a, Vectorized<T> b) { return a * b; }, s, s, keep.data() + r * n, n);
         }
       }
-      gemm<T>(false, false, rows, in.d_v, n, T(1), scores + span.lo, ld, head.v + span.lo * in.v_stride.row,
-              in.v_stride.row, T(0), out_rows, in.d_v);
+      gemm<T>(false, false, rows, in.d_v, n, T(1), first, score_ld, head.v + span.lo * in.v_stride.row, in.v_stride.row,
+              T(0), out_rows, in.d_v);
       if (!out.weights) {  // normalize d_v outputs per row instead of Lk weights
         for (int64_t r = 0; r < rows; ++r) {
           scale_row(out_rows + r * in.d_v, in.d_v, n > 0 ? inv_sum[r] : T(0));
@@ -429,6 +468,7 @@ void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<
   const int64_t ld = in.len_k;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> probs(chunk * ld), grad_w(chunk * ld), keep(in.dropout_p > 0 ? chunk * ld : 0);
+    NonFiniteValues<T> non_finite;
     std::vector<uint32_t> words;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / splits, split = task % splits;
@@ -443,19 +483,20 @@ void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<
         const int64_t first_row = bh * in.len_q + row0;
         const T* grad_out = g.grad_out + first_row * in.d_v;
         // P = exp(S - lse), recomputed; dW = dO V^T (+ the gradient of the returned weights)
-        const KeySpan span = scores_for_chunk(in, head, row0, rows, probs.data());
-        const int64_t width = span.size();
+        const KeySpan span =
+            scores_for_chunk(in, head, bh, row0, rows, ScoreRows<T>{probs.data(), true, ld}, non_finite);
+        const int64_t width = span.size(), packed_ld = std::max<int64_t>(width, 1);
         const T* v_span = head.v + span.lo * in.v_stride.row;
         const T* k_span = head.k + span.lo * in.k_stride.row;
-        gemm<T>(false, true, rows, width, in.d_v, T(1), grad_out, in.d_v, v_span, in.v_stride.row, T(0),
-                grad_w.data() + span.lo, ld);
+        gemm<T>(false, true, rows, width, in.d_v, T(1), grad_out, in.d_v, v_span, in.v_stride.row, T(0), grad_w.data(),
+                packed_ld);
         if (in.dropout_p > 0) {
           fill_chunk_keep(in, first_row, rows, span, words, keep.data());
         }
         for (int64_t r = 0; r < rows; ++r) {
-          T* p = probs.data() + r * ld + span.lo;
-          T* dw = grad_w.data() + r * ld + span.lo;
-          const T* keep_row = in.dropout_p > 0 ? keep.data() + r * ld + span.lo : nullptr;
+          T* p = probs.data() + r * packed_ld;
+          T* dw = grad_w.data() + r * packed_ld;
+          const T* keep_row = in.dropout_p > 0 ? keep.data() + r * width : nullptr;
           if (g.out != nullptr && g.grad_weights == nullptr) {
             fused_backward_row(in, g, first_row + r, row0 + r, span, head, p, dw, keep_row);
             continue;
@@ -485,12 +526,12 @@ void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<
           }
         }
         // dV += W^T dO ; dQ = scale * dS K ; dK += scale * dS^T Q (over the keys this chunk sees)
-        gemm<T>(true, false, width, in.d_v, rows, T(1), probs.data() + span.lo, ld, grad_out, in.d_v, T(1),
+        gemm<T>(true, false, width, in.d_v, rows, T(1), probs.data(), packed_ld, grad_out, in.d_v, T(1),
                 grad_v + span.lo * in.d_v, in.d_v);
-        gemm<T>(false, false, rows, in.d_k, width, in.scale, grad_w.data() + span.lo, ld, k_span, in.k_stride.row, T(0),
+        gemm<T>(false, false, rows, in.d_k, width, in.scale, grad_w.data(), packed_ld, k_span, in.k_stride.row, T(0),
                 g.grad_q + first_row * in.d_k, in.d_k);
-        gemm<T>(true, false, width, in.d_k, rows, in.scale, grad_w.data() + span.lo, ld,
-                head.q + row0 * in.q_stride.row, in.q_stride.row, T(1), grad_k + span.lo * in.d_k, in.d_k);
+        gemm<T>(true, false, width, in.d_k, rows, in.scale, grad_w.data(), packed_ld, head.q + row0 * in.q_stride.row,
+                in.q_stride.row, T(1), grad_k + span.lo * in.d_k, in.d_k);
       }
     }
   });
