@@ -109,3 +109,52 @@ def test_padded_batches_choose_the_kernel_that_skips():
     forward = fastmha.explain(q, k, v, heavy, need_weights=False).splitlines()[0]
     assert forward.startswith("forward fastmha-cpu") and "skips" in forward
     assert fastmha.explain(q, k, v, light, need_weights=False).startswith("forward torch-cpu-flash")
+
+
+def padded_call_and_oracle(q, k, v, mask, grad):
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, weights = torch.ops.fastmha.attention(*inputs, mask, 0.0, True, False)
+    grads = torch.autograd.grad(out, inputs, grad)
+    ref_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_weights = oracle_attention(*ref_inputs, mask)
+    ref_grads = torch.autograd.grad(ref_out, ref_inputs, grad)
+    torch.testing.assert_close(out, ref_out, equal_nan=True)
+    torch.testing.assert_close(weights, ref_weights, equal_nan=True)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, equal_nan=True)
+    return grads
+
+
+@pytest.mark.parametrize("poisoned", ["key under padding", "output gradient row", "query row"])
+def test_nan_that_meets_a_zero_gradient_at_skipped_keys_propagates_like_the_oracle(poisoned):
+    # The math multiplies a skipped key by a zero score gradient (dQ = dS K) and a skipped key's gradients
+    # are sums of zeros times dO or Q rows: 0 * NaN is NaN there, so those chunks must take all keys.
+    q, k, v = (torch.randn(2, 2, 150, 8, dtype=torch.float64) for _ in range(3))
+    k, v = k[:, :, :LK], v[:, :, :LK]
+    mask = padding([LK, 12])[:2]
+    grad = torch.randn(2, 2, 150, 8, dtype=torch.float64)
+    if poisoned == "key under padding":
+        k = k.clone()
+        k[1, 0, LK - 1, 2] = float("nan")
+    elif poisoned == "output gradient row":
+        grad[1, 0, 140, 5] = float("nan")
+    else:
+        q = q.clone()
+        q[1, 0, 3, 1] = float("inf")
+    grads = padded_call_and_oracle(q, k, v, mask, grad)
+    assert any(torch.isnan(g[1, 0]).any() for g in grads)
+
+
+def test_rows_whose_scores_all_fall_to_minus_1e9_take_the_skipped_keys():
+    # Scores of -1e10 at the visible keys: the masked keys' -1e9 dominate the softmax in the math.
+    q = torch.full((1, 1, 3, 1), 1e5, dtype=torch.float64)
+    k = torch.randn(1, 1, 6, 1, dtype=torch.float64)
+    k[0, 0, :2] = -1e5
+    v = torch.randn(1, 1, 6, 4, dtype=torch.float64)
+    mask = torch.arange(6) < 2
+    for is_causal in (False, True):
+        out, weights = torch.ops.fastmha.attention(q, k, v, mask, 0.0, True, is_causal)
+        full_mask = mask & torch.ones(3, 6, dtype=torch.bool).tril() if is_causal else mask
+        ref_out, ref_weights = oracle_attention(q, k, v, full_mask)
+        torch.testing.assert_close(out, ref_out)
+        torch.testing.assert_close(weights, ref_weights)

@@ -3,8 +3,10 @@
 //
 // Each chunk of queries computes only the span of keys that some row of it can see (KeySpan): keys beyond
 // the last visible one (padding, causality) or before the first are masked for the whole chunk, and a -1e9
-// score next to a visible key has weight exactly 0, so skipping them changes no result. A span with no
-// masked key inside reads no mask at all.
+// score next to a visible key scoring well above it has weight exactly 0, so skipping them changes no result.
+// A span with no masked key inside reads no mask at all. Where the math would still feel a skipped key (a
+// row with no visible key, or none scoring well above -1e9; a NaN or infinity in a score, or one that a zero
+// weight or gradient would multiply) the chunk takes all keys.
 //
 // Work is split into (batch*head, query chunk) tasks under one at::parallel_for. A task computes its chunk's
 // scores with a BLAS GEMM, then one vectorized pass per row does scale + mask + softmax + log-sum-exp +
@@ -235,7 +237,7 @@ KeySpan visible_span(const AttentionInputs<T>& in, const Head<T>& head, int64_t 
     const bool* row = head.mask + (row0 + r) * in.mask_stride[2];
     const auto [first, last] = visible_range(row, col_stride, limit);
     if (first > last) {
-      continue;  // a row with no visible key (handled by chunk_scores)
+      return {0, in.len_k, true};  // a row with no visible key: uniform over all keys
     }
     lo = std::min(lo, first);
     hi = std::max(hi, last + 1);
@@ -271,10 +273,11 @@ bool chunk_scores(const AttentionInputs<T>& in, const Head<T>& head, int64_t row
     if (in.is_causal) {
       for (int64_t j = std::max(row0 + r + 1, span.lo); j < span.hi; ++j) s[j - span.lo] = T(kMaskedScore);
     }
-    // Only a user mask can hide every key of a causal row (key 0 is always visible to causal rows).
-    if (head.mask && n < in.len_k && n > 0) {
+    // The skipped keys' weight in the math, exp(-1e9 - max) / sum, must be exactly 0: it is not in a row with
+    // no visible key, with scores near or below -1e9, or with a NaN or infinite score (then it is NaN).
+    if (n < in.len_k && n > 0) {
       const T max = at::vec::reduce_all<T>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s, n);
-      complete = complete && max != T(kMaskedScore);
+      complete = complete && std::isfinite(max) && std::exp(T(kMaskedScore) - max) == T(0);
     }
   }
   return complete;
@@ -295,20 +298,25 @@ bool finite_rows(const T* v, int64_t row_stride, int64_t from, int64_t to, int64
   return at::vec::vec_reduce_all<T>([](Vec& a, Vec& b) { return a + b; }, acc) + tail == T(0);
 }
 
-// The first and the last value row of a head that holds a NaN or an infinity, found once per head (a task
-// keeps one of these and walks its chunks head by head).
+// The first and the last key of a head whose key or value row holds a NaN or an infinity, found once per head
+// (a task keeps one of these and walks its chunks head by head). A zero weight times such a value is NaN in
+// the forward; a zero score gradient times such a key is NaN in dQ.
 template <typename T>
-class NonFiniteValues {
+class NonFiniteKeys {
  public:
-  // Whether such a row lies outside the span of keys (a skipped key).
+  // Whether such a key lies outside the span (a skipped key).
   bool outside(const AttentionInputs<T>& in, const Head<T>& head, int64_t head_index, const KeySpan& span) {
     if (head_index != head_index_) {
       head_index_ = head_index;
       first_ = in.len_k;
       last_ = -1;
-      if (!finite_rows(head.v, in.v_stride.row, 0, in.len_k, in.d_v)) {
+      auto finite = [&](int64_t from, int64_t to) {
+        return finite_rows(head.v, in.v_stride.row, from, to, in.d_v) &&
+               finite_rows(head.k, in.k_stride.row, from, to, in.d_k);
+      };
+      if (!finite(0, in.len_k)) {
         for (int64_t i = 0; i < in.len_k; ++i) {
-          if (!finite_rows(head.v, in.v_stride.row, i, i + 1, in.d_v)) {
+          if (!finite(i, i + 1)) {
             first_ = std::min(first_, i);
             last_ = i;
           }
@@ -324,11 +332,12 @@ class NonFiniteValues {
 
 template <typename T>
 KeySpan scores_for_chunk(const AttentionInputs<T>& in, const Head<T>& head, int64_t head_index, int64_t row0,
-                         int64_t rows, const ScoreRows<T>& scores, NonFiniteValues<T>& non_finite) {
+                         int64_t rows, const ScoreRows<T>& scores, NonFiniteKeys<T>& non_finite,
+                         bool all_keys = false) {
   const KeySpan all{0, in.len_k, head.mask != nullptr};
-  KeySpan span = visible_span(in, head, row0, rows);
-  // A skipped key's value would have been multiplied by a weight of exactly 0, which keeps a NaN or an
-  // infinity there (0 * inf is NaN): then the chunk takes all keys, so the result stays that of the math.
+  KeySpan span = all_keys ? all : visible_span(in, head, row0, rows);
+  // A skipped key would have met a weight or a score gradient of exactly 0, which keeps a NaN or an infinity
+  // there (0 * inf is NaN): then the chunk takes all keys, so the result stays that of the math.
   if (span.size() < in.len_k && non_finite.outside(in, head, head_index, span)) {
     span = all;
   }
@@ -348,7 +357,7 @@ void forward_impl(const AttentionInputs<T>& in, const AttentionForwardOutputs<T>
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> buffer(out.weights ? 0 : chunk * ld), inv_sum(chunk), keep(in.dropout_p > 0 ? chunk * ld : 0);
     const bool packed = out.weights == nullptr;
-    NonFiniteValues<T> non_finite;
+    NonFiniteKeys<T> non_finite;
     std::vector<uint32_t> words;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / chunks, row0 = (task % chunks) * chunk;
@@ -468,7 +477,7 @@ void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<
   const int64_t ld = in.len_k;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> probs(chunk * ld), grad_w(chunk * ld), keep(in.dropout_p > 0 ? chunk * ld : 0);
-    NonFiniteValues<T> non_finite;
+    NonFiniteKeys<T> non_finite;
     std::vector<uint32_t> words;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / splits, split = task % splits;
@@ -483,8 +492,12 @@ void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<
         const int64_t first_row = bh * in.len_q + row0;
         const T* grad_out = g.grad_out + first_row * in.d_v;
         // P = exp(S - lse), recomputed; dW = dO V^T (+ the gradient of the returned weights)
+        // dV and dK of a skipped key are sums of zero weights (score gradients) times dO (Q) rows: a NaN or an
+        // infinity in those rows makes them NaN in the math.
+        const bool rows_finite = finite_rows(grad_out, in.d_v, 0, rows, in.d_v) &&
+                                 finite_rows(head.q + row0 * in.q_stride.row, in.q_stride.row, 0, rows, in.d_k);
         const KeySpan span =
-            scores_for_chunk(in, head, bh, row0, rows, ScoreRows<T>{probs.data(), true, ld}, non_finite);
+            scores_for_chunk(in, head, bh, row0, rows, ScoreRows<T>{probs.data(), true, ld}, non_finite, !rows_finite);
         const int64_t width = span.size(), packed_ld = std::max<int64_t>(width, 1);
         const T* v_span = head.v + span.lo * in.v_stride.row;
         const T* k_span = head.k + span.lo * in.k_stride.row;
