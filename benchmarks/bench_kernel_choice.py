@@ -6,8 +6,8 @@ For each dtype, length and pass (forward under no_grad; forward + backward), one
   stock  the same op with FASTMHA_CPU_KERNELS=stock                 (torch's CPU flash kernel behind the layer)
   auto   the same op with the default choice                        (what users get)
   sdpa   F.scaled_dot_product_attention on the same tensors         (the peer)
-Inputs are (B, 8, L, 64), dropout 0, need_weights=False, and one of these masks (--masks), which SDPA gets too
-(as a bool attn_mask):
+Inputs are (B, 8, L, d) with d = --head-dim (64), dropout 0, need_weights=False, and one of these masks
+(--masks), which SDPA gets too (as a bool attn_mask):
   none            no mask
   padding         (B, 1, 1, L) int64, each sequence keeps its first 10-25% of the keys (a padded batch)
   padding+causal  (B, 1, L, L) int64, the same padding and the causal triangle (a padded decoder batch)
@@ -16,6 +16,7 @@ with the CPU model and ISA.
 
     python benchmarks/bench_kernel_choice.py --out benchmarks/results/kernel-choice-DATE
     python benchmarks/bench_kernel_choice.py --masks padding,padding+causal --out ...
+    python benchmarks/bench_kernel_choice.py --dtypes float32 --head-dim 128 --sizes 2x1024,1x8192 --out ...
     python benchmarks/bench_kernel_choice.py --quick     # a smoke run (seconds)
 """
 
@@ -66,8 +67,8 @@ def run_once(kernel, q, k, v, mask, backward):
     return time.perf_counter() - start
 
 
-def measure(dtype, batch, length, mask_kind, backward, repeats):
-    q, k, v = (torch.randn(batch, 8, length, 64, dtype=dtype, requires_grad=backward) for _ in range(3))
+def measure(dtype, batch, length, head_dim, mask_kind, backward, repeats):
+    q, k, v = (torch.randn(batch, 8, length, head_dim, dtype=dtype, requires_grad=backward) for _ in range(3))
     mask = make_mask(mask_kind, batch, length)
     times = {kernel: [] for kernel in KERNELS}
     for kernel in KERNELS:  # warm-up
@@ -79,7 +80,8 @@ def measure(dtype, batch, length, mask_kind, backward, repeats):
     choice = fastmha.explain(q, k, v, mask, need_weights=False).splitlines()
     medians = {kernel: statistics.median(t) for kernel, t in times.items()}
     return {
-        "dtype": str(dtype).replace("torch.", ""), "batch": batch, "length": length, "mask": mask_kind,
+        "dtype": str(dtype).replace("torch.", ""), "batch": batch, "length": length, "head_dim": head_dim,
+        "mask": mask_kind,
         "pass": "fwd+bwd" if backward else "fwd", "ms": {k: round(t * 1e3, 3) for k, t in medians.items()},
         "sdpa_over": {k: round(medians["sdpa"] / medians[k], 3) for k in ("own", "stock", "auto")},
         "auto_runs": [line.split(":")[0] for line in choice],
@@ -92,8 +94,11 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtypes", default="float32,bfloat16,float16")
     parser.add_argument("--masks", default="none", help=f"comma-separated, of {MASKS}")
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--sizes", help="comma-separated BATCHxLENGTH (default: a list per mask kind)")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
+    chosen_sizes = [tuple(int(n) for n in size.split("x")) for size in args.sizes.split(",")] if args.sizes else None
     masks = args.masks.split(",")
     if unknown := set(masks) - set(MASKS):
         parser.error(f"unknown masks {sorted(unknown)}; choose from {MASKS}")
@@ -104,14 +109,15 @@ def main():
     print("\n".join(header), flush=True)
     rows = []
     for mask_kind in masks:
-        sizes = QUICK_SIZES if args.quick else SIZES if mask_kind == "none" else PADDED_SIZES
+        sizes = QUICK_SIZES if args.quick else chosen_sizes or (SIZES if mask_kind == "none" else PADDED_SIZES)
         for dtype_name in args.dtypes.split(","):
             dtype = getattr(torch, dtype_name)
             for batch, length in sizes:
                 for backward in (False, True):
-                    row = measure(dtype, batch, length, mask_kind, backward, repeats)
+                    row = measure(dtype, batch, length, args.head_dim, mask_kind, backward, repeats)
                     rows.append(row)
-                    print(f"{mask_kind:14s} {row['dtype']:9s} B{batch:3d} L{length:5d} {row['pass']:8s} "
+                    print(f"{mask_kind:14s} {row['dtype']:9s} B{batch:3d} L{length:5d} d{args.head_dim} "
+                          f"{row['pass']:8s} "
                           + " ".join(f"{k} {row['ms'][k]:9.2f} ms" for k in KERNELS)
                           + " | sdpa/own {own:.2f} sdpa/stock {stock:.2f} sdpa/auto {auto:.2f}".format(
                               **row["sdpa_over"]), flush=True)
@@ -120,8 +126,9 @@ def main():
         args.out.with_suffix(".json").write_text(json.dumps({"machine": header, "rows": rows}, indent=1) + "\n")
         lines = ["# CPU kernel choice: fastmha's kernel, torch's flash kernel, the default choice, and SDPA", "",
                  *[f"- {line}" for line in header], "",
-                 "(B, 8, L, 64), dropout 0, need_weights=False, masks as in the script's docstring (SDPA gets the "
-                 f"same mask); medians of {repeats}; ratio = SDPA time / kernel time (> 1: faster than SDPA).", "",
+                 f"(B, 8, L, {args.head_dim}), dropout 0, need_weights=False, masks as in the script's docstring "
+                 f"(SDPA gets the same mask); medians of {repeats}; ratio = SDPA time / kernel time (> 1: faster "
+                 "than SDPA).", "",
                  "| mask | dtype | B | L | pass | own ms | stock ms | auto ms | SDPA ms | SDPA/own | SDPA/stock "
                  "| SDPA/auto | auto runs |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
