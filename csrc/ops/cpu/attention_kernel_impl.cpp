@@ -21,12 +21,12 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <vector>
 
 #include "ops/cpu/attention_params.h"
 #include "ops/cpu/blas.h"
+#include "ops/cpu/key_span.h"
 #include "ops/philox.h"
 
 namespace fastmha::cpu {
@@ -183,37 +183,6 @@ void fill_chunk_keep(const AttentionInputs<T>& in, int64_t first_row, int64_t ro
   for (int64_t r = 0; r < rows; ++r) {
     fill_keep(in, static_cast<uint64_t>((first_row + r) * in.len_k + span.lo), n, words, keep + r * n);
   }
-}
-
-// The first and last true entry among row[0], row[stride], ... (n entries), or {n, -1} when there is none.
-// torch's bool is one byte holding 0 or 1, so unit-stride rows are searched with glibc's vectorized memchr.
-inline std::pair<int64_t, int64_t> visible_range(const bool* row, int64_t stride, int64_t n) {
-  if (stride == 1) {
-    const void* first = std::memchr(row, 1, static_cast<size_t>(n));
-    if (first == nullptr) {
-      return {n, -1};
-    }
-    const void* last = memrchr(row, 1, static_cast<size_t>(n));
-    return {static_cast<const bool*>(first) - row, static_cast<const bool*>(last) - row};
-  }
-  int64_t first = 0, last = n - 1;
-  while (first < n && !row[first * stride]) ++first;
-  while (last > first && !row[last * stride]) --last;
-  return first == n ? std::pair<int64_t, int64_t>{n, -1} : std::pair<int64_t, int64_t>{first, last};
-}
-
-// Whether some entry strictly between `first` and `last` is false.
-inline bool has_hidden_key(const bool* row, int64_t stride, int64_t first, int64_t last) {
-  if (last - first < 2) {
-    return false;
-  }
-  if (stride == 1) {
-    return std::memchr(row + first + 1, 0, static_cast<size_t>(last - first - 1)) != nullptr;
-  }
-  for (int64_t j = first + 1; j < last; ++j) {
-    if (!row[j * stride]) return true;
-  }
-  return false;
 }
 
 // The keys rows row0 .. row0+rows-1 can see. With is_causal, query i attends keys j <= i, so the chunk needs
