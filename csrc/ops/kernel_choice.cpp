@@ -55,15 +55,15 @@ KernelChoice choose_cpu(const AttentionCall& call) {
   if (mode == "stock") {
     return {K::kStockCpu, "FASTMHA_CPU_KERNELS=stock"};
   }
-  // Measured with benchmarks/bench_kernel_choice.py and bench_padding.py (all kernels interleaved in one run;
-  // the results are in benchmarks/results/). Forward: torch's flash kernel is as fast or faster from 128 to
+  // Measured with benchmarks/bench_kernel_choice.py (all kernels interleaved in one run; the results are in
+  // benchmarks/results/). Forward: torch's flash kernel is as fast or faster from 128 to
   // 4096 keys in float32 and bfloat16 (float16 is widened like bfloat16 in fastmha's kernel): it blocks the
   // keys with an online softmax, while fastmha's kernel keeps whole score rows of a query chunk in cache.
   // Backward: fastmha's kernel is as fast or faster in float32/float64 up to 2048 keys (past that its score
   // rows outgrow the cache), and in half types unless the processor multiplies them natively (torch's
   // backward then runs on those instructions; without them it is several times slower than ours).
   // A padding mask turns the forward around: fastmha's kernel computes only the keys between the first and
-  // the last visible one, torch's computes all (3x faster at 10-40 of 350 keys visible, in float32).
+  // the last visible one, torch's computes all (3.7x faster or more with 10-25% of the keys visible, float32).
   const auto dtype = call.query.scalar_type();
   const bool half = dtype == at::kBFloat16 || dtype == at::kHalf;
   const bool native_half = (dtype == at::kBFloat16 && cpu::native_bfloat16_products()) ||
