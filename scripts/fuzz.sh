@@ -18,8 +18,8 @@ for optional in torch_cuda c10_cuda; do
   [ -e "$torch_dir/lib/lib$optional.so" ] && libs+=("-l$optional")
 done
 clang++ -std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -D_GLIBCXX_USE_CXX11_ABI=1 \
-  -I"$torch_dir/include" -I"$torch_dir/include/torch/csrc/api/include" -I"$fastmha_dir/include" \
-  tests/fuzz/fuzz_attention.cpp -o build/fuzz/fuzz_attention \
+  -I"$torch_dir/include" -I"$torch_dir/include/torch/csrc/api/include" -I"$fastmha_dir/include" -Itests/cpp \
+  tests/fuzz/fuzz_attention.cpp tests/cpp/oracle.cpp -o build/fuzz/fuzz_attention \
   -L"$torch_dir/lib" -L"$fastmha_dir/lib" -Wl,--no-as-needed "${libs[@]}" \
   -Wl,-rpath,"$torch_dir/lib:$fastmha_dir/lib"
 if [ -n "${FASTMHA_FUZZ_RUNS:-}" ]; then

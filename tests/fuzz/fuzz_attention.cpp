@@ -6,9 +6,10 @@
 #include <torch/autograd.h>
 
 #include <fastmha/ops.h>
-#include <cmath>
 #include <cstdint>
 #include <cstdlib>
+
+#include "oracle.h"  // tests/cpp: the oracle the C++ tests use
 
 namespace {
 
@@ -37,32 +38,24 @@ at::Tensor make(Bytes& in, at::IntArrayRef sizes, at::ScalarType dtype) {
   }
 }
 
-// The formulas in plain ATen ops: softmax(Q K^T / sqrt(d_k), masked to -1e9) V, top-left causal.
-at::Tensor oracle(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
-                  bool is_causal) {
-  auto scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(q.size(-1)));
-  if (mask.has_value()) {
-    scores = scores.masked_fill(mask->eq(0), -1e9);
-  }
-  if (is_causal) {
-    scores = scores.masked_fill(at::ones({q.size(2), k.size(2)}, at::kBool).tril().logical_not(), -1e9);
-  }
-  return at::matmul(scores.softmax(-1), v);
-}
-
 // In float64 without dropout the results must be the oracle's: output, and the gradients of q and v.
 void check_against_oracle(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const std::optional<at::Tensor>& mask, bool is_causal, const at::Tensor& out) {
   auto ref_q = q.detach().clone().requires_grad_(true), ref_v = v.detach().clone().requires_grad_(true);
-  const auto ref = oracle(ref_q, k, ref_v, mask, is_causal);
-  if (!at::allclose(out.detach(), ref.detach(), 1e-9, 1e-11)) abort();
+  std::optional<at::Tensor> visible = mask;
+  if (is_causal) {  // top-left: query i sees keys j <= i
+    const auto causal = at::ones({q.size(2), k.size(2)}, at::kBool).tril();
+    visible = mask.has_value() ? mask->ne(0).logical_and(causal) : causal;
+  }
+  const auto ref = oracle::attention(ref_q, k, ref_v, visible).first;
+  if (!oracle::close(out.detach(), ref.detach(), 1e-9, 1e-11)) abort();
   if (!q.requires_grad() || out.numel() == 0) {
     return;
   }
   const auto grads = torch::autograd::grad({out}, {q, v}, {at::ones_like(out)});
   const auto ref_grads = torch::autograd::grad({ref}, {ref_q, ref_v}, {at::ones_like(ref)});
   for (size_t i = 0; i < grads.size(); ++i) {
-    if (!at::allclose(grads[i], ref_grads[i], 1e-9, 1e-11)) abort();
+    if (!oracle::close(grads[i], ref_grads[i], 1e-9, 1e-11)) abort();
   }
 }
 
