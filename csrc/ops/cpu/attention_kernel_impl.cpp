@@ -392,7 +392,7 @@ void zero_masked(const AttentionInputs<T>& in, const Head<T>& head, int64_t quer
 // One pass over a row: P = exp(S - lse), dP = dW * keep, dS = P * (dP - D), W = P * keep, where
 // D = sum_j dP_j P_j = dO . O (the forward output row; true with dropout too), so no row reduction is needed.
 // Masked scores have P = 0 exactly (exp(-1e9 - lse)), hence dS = 0, except in rows masked everywhere (whose
-// span is all keys). p, dw and keep hold the span's columns.
+// span is all keys) and in rows with a non-finite dS. p, dw and keep hold the span's columns.
 template <typename T>
 void fused_backward_row(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, int64_t row, int64_t query,
                         const KeySpan& span, const Head<T>& head, T* p, T* dw, const T* keep) {
@@ -433,6 +433,11 @@ void fused_backward_row(const AttentionInputs<T>& in, const AttentionBackwardTen
     const T k = dropout ? keep[j] : T(1);
     p[j] = prob * k;
     dw[j] = prob * (dw[j] * k - d);
+  }
+  // A NaN or infinity in dO, O or V makes 0 * (dP - D) NaN at masked keys too, where the math has no gradient
+  // (the -1e9 overwrote those scores): zero them as the general path does.
+  if ((span.masked || in.is_causal) && !finite_rows(dw, width, 0, 1, width)) {
+    zero_masked(in, head, query, span, dw);
   }
 }
 
