@@ -87,6 +87,34 @@ def test_gradient_through_stored_weights(device):
     torch.testing.assert_close(x.grad, x_ref.grad)
 
 
+@pytest.mark.parametrize("used", ["output", "weights"])
+@pytest.mark.parametrize("op", ["attention", "block"])
+def test_loss_on_one_output_only(device, op, used):
+    # The output that the loss never reads gets no gradient tensor at all (autograd passes none, not zeros).
+    mask = torch.tensor([1, 1, 0, 1, 1, 0], device=device)[None, None, None, :]
+    if op == "attention":
+        inputs = [leaf(2, 3, 4, 5, device=device), leaf(2, 3, 6, 5, device=device), leaf(2, 3, 6, 5, device=device)]
+        out, weights = torch.ops.fastmha.attention(*inputs, mask, 0.0, True)
+        ref_out, ref_weights = oracle_attention(*inputs, mask)
+    else:
+        block = fastmha.MultiHeadAttentionBlock(8, 2, 0.0).to(device, torch.float64)
+        oracle = OracleBlock(8, 2).to(device, torch.float64)
+        oracle.load_state_dict(block.state_dict())
+        q, kv = leaf(2, 4, 8, device=device), leaf(2, 6, 8, device=device)
+        inputs = [q, kv, *(getattr(block, n).weight for n in ("w_q", "w_k", "w_v", "w_o"))]
+        out, weights = block(q, kv, kv, mask), block.attention_scores
+        ref_inputs = [q, kv, *(getattr(oracle, n).weight for n in ("w_q", "w_k", "w_v", "w_o"))]
+        ref_out, ref_weights = oracle(q, kv, kv, mask)
+    loss, ref_loss = ((out ** 2).sum(), (ref_out ** 2).sum()) if used == "output" else (
+        (weights ** 2).sum(), (ref_weights ** 2).sum())
+    grads = torch.autograd.grad(loss, inputs, allow_unused=True, materialize_grads=True)
+    # The weights do not depend on the values (nor on w_v, w_o): the oracle's graph has no path there.
+    ref_grads = torch.autograd.grad(ref_loss, inputs if op == "attention" else ref_inputs, allow_unused=True,
+                                    materialize_grads=True)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r)
+
+
 def test_fully_masked_row_gradient_matches_oracle(device):
     q, k, v = leaf(1, 1, 3, 4, device=device), leaf(1, 1, 5, 4, device=device), leaf(1, 1, 5, 4, device=device)
     mask = MASKS["fully-masked-row"](device)

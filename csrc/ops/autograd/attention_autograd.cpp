@@ -20,10 +20,12 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     ctx->save_for_backward({query, key, value, mask.value_or(at::Tensor()), output, logsumexp, rng_state});
     ctx->saved_data["dropout_p"] = dropout_p;
     ctx->saved_data["is_causal"] = is_causal;
-    ctx->saved_data["need_weights"] = need_weights;
     if (!need_weights) {
       ctx->mark_non_differentiable({weights});
     }
+    // Kept weights that the loss never reads get no gradient: no (batch, h, Lq, Lk) tensor of zeros is made,
+    // filled and read back in the backward.
+    ctx->set_materialize_grads(false);
     return {output, weights};
   }
 
@@ -31,10 +33,10 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto mask = saved[3].defined() ? std::optional<at::Tensor>(saved[3]) : std::nullopt;
-    const auto grad_weights =
-        ctx->saved_data["need_weights"].toBool() ? std::optional<at::Tensor>(grads[1]) : std::nullopt;
+    const auto grad_weights = grads[1].defined() ? std::optional<at::Tensor>(grads[1]) : std::nullopt;
+    const auto grad_output = grads[0].defined() ? grads[0] : at::zeros_like(saved[4]);
     auto [grad_query, grad_key, grad_value] = detail::attention_backward(
-        grads[0], grad_weights, saved[0], saved[1], saved[2], mask, saved[4], saved[5], saved[6],
+        grad_output, grad_weights, saved[0], saved[1], saved[2], mask, saved[4], saved[5], saved[6],
         ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["is_causal"].toBool());
     return {grad_query, grad_key, grad_value, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }

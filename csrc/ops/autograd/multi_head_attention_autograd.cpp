@@ -24,10 +24,12 @@ class MultiHeadAttentionFunction : public torch::autograd::Function<MultiHeadAtt
     ctx->saved_data["num_heads"] = num_heads;
     ctx->saved_data["dropout_p"] = dropout_p;
     ctx->saved_data["is_causal"] = is_causal;
-    ctx->saved_data["need_weights"] = need_weights;
     if (!need_weights) {
       ctx->mark_non_differentiable({weights});
     }
+    // Kept weights that the loss never reads get no gradient: no (batch, h, Lq, Lk) tensor of zeros is made,
+    // filled and read back in the backward.
+    ctx->set_materialize_grads(false);
     return {output, weights};
   }
 
@@ -35,10 +37,11 @@ class MultiHeadAttentionFunction : public torch::autograd::Function<MultiHeadAtt
                                                  torch::autograd::variable_list grads) {
     const auto s = ctx->get_saved_variables();
     const auto mask = s[13].defined() ? std::optional<at::Tensor>(s[13]) : std::nullopt;
-    const auto grad_weights =
-        ctx->saved_data["need_weights"].toBool() ? std::optional<at::Tensor>(grads[1]) : std::nullopt;
+    const auto grad_weights = grads[1].defined() ? std::optional<at::Tensor>(grads[1]) : std::nullopt;
+    // The output has the merged context's shape and dtype (w_o is d_model x d_model).
+    const auto grad_output = grads[0].defined() ? grads[0] : at::zeros_like(s[10]);
     auto [grad_query, grad_key, grad_value, grad_w_q, grad_w_k, grad_w_v, grad_w_o] =
-        detail::multi_head_attention_backward(grads[0], grad_weights, s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7],
+        detail::multi_head_attention_backward(grad_output, grad_weights, s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7],
                                               s[8], s[9], s[10], s[11], s[12], ctx->saved_data["num_heads"].toInt(),
                                               mask, ctx->saved_data["dropout_p"].toDouble(),
                                               ctx->saved_data["is_causal"].toBool());
