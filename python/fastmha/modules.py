@@ -3,7 +3,10 @@
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+
+from ._projection_memo import ProjectionMemo, can_hold
 
 
 class MultiHeadAttentionBlock(nn.Module):
@@ -17,17 +20,30 @@ class MultiHeadAttentionBlock(nn.Module):
     ``need_weights`` is False (which also saves their memory). With ``is_causal=True`` query i attends keys
     j <= i only (top-left aligned when Lq != Lk), exactly as if ``tril(ones(Lq, Lk))`` were added to the mask,
     without materializing it (the kernels skip the masked key blocks).
+
+    With gradients off, a block called again with the very same key and value tensors (a cross-attention in a
+    decoder re-run over a growing prefix against one encoder output) reuses their projections from the
+    previous call instead of recomputing them: the same numbers, bit for bit. Set ``reuse_projections=False``
+    to always recompute.
     """
 
     attention_scores: Optional[Tensor]
 
     def __init__(
-        self, d_model: int, h: int, dropout: float, need_weights: bool = True, is_causal: bool = False
+        self,
+        d_model: int,
+        h: int,
+        dropout: float,
+        need_weights: bool = True,
+        is_causal: bool = False,
+        reuse_projections: bool = True,
     ) -> None:
         """``d_model`` features split into ``h`` heads of ``d_k = d_model // h``; ``dropout`` is the probability
         of dropping an attention weight in training (an ``nn.Dropout``, so 1.0 drops them all). With
         ``need_weights=False`` the weights are not kept (``attention_scores`` stays None, and their memory is
-        saved); with ``is_causal=True`` query i attends keys j <= i only. Raises ValueError for sizes that
+        saved); with ``is_causal=True`` query i attends keys j <= i only; ``reuse_projections`` lets a call
+        without gradients reuse the key and value projections of the previous call when its key and value are
+        the same, unchanged tensors (see the class docstring). Raises ValueError for sizes that
         are not positive ints, ``d_model % h != 0``, or a dropout outside [0, 1].
         """
         super().__init__()
@@ -49,7 +65,9 @@ class MultiHeadAttentionBlock(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.need_weights = need_weights
         self.is_causal = is_causal
+        self.reuse_projections = reuse_projections
         self.attention_scores = None
+        self._projection_memo = ProjectionMemo()
 
     @staticmethod
     def attention(
@@ -73,14 +91,56 @@ class MultiHeadAttentionBlock(nn.Module):
         weights (batch, h, Lq, Lk) in ``attention_scores`` when ``need_weights`` is True.
         """
         p = self.dropout.p if self.dropout.training else 0.0
-        output, weights = torch.ops.fastmha.multi_head_attention(
-            q, k, v, self.w_q.weight, self.w_k.weight, self.w_v.weight, self.w_o.weight,
-            self.h, mask, p if p < 1.0 else 0.0, self.need_weights, self.is_causal,
-        )
+        result: Optional[Tuple[Tensor, Tensor]] = None
+        if not torch.jit.is_scripting():
+            result = self._forward_reusing_projections(q, k, v, mask, p if p < 1.0 else 0.0)
+        if result is None:
+            result = torch.ops.fastmha.multi_head_attention(
+                q, k, v, self.w_q.weight, self.w_k.weight, self.w_v.weight, self.w_o.weight,
+                self.h, mask, p if p < 1.0 else 0.0, self.need_weights, self.is_causal,
+            )
+        output, weights = result
         if p >= 1.0:  # nn.Dropout(1.0) drops every weight: zero weights, zero output
             output, weights = output * 0.0, weights * 0.0
         self.attention_scores = weights if self.need_weights else None
         return output
+
+    @torch.jit.unused
+    def _forward_reusing_projections(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], p: float
+    ) -> Optional[Tuple[Tensor, Tensor]]:
+        """``forward``'s result computed with the memo of key and value projections, or None where the memo
+        does not apply (then ``forward`` takes its usual path). The first call of a run takes the block's own
+        op (its checks, its numbers) and keeps the projections it made; later calls with the same key, value
+        and weights project only the query, and run the same attention core and output projection."""
+        if not self.reuse_projections or k is q or torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return None
+        weights = (self.w_q.weight, self.w_k.weight, self.w_v.weight, self.w_o.weight)
+        sources = (k, v, *weights)
+        if not all(can_hold(t) for t in sources) or torch.is_autocast_enabled(k.device.type):
+            return None
+        projections = self._projection_memo.lookup(sources)
+        if projections is None:
+            output, attention_weights, _, key_proj, value_proj, _, _, _ = (
+                torch.ops.fastmha._multi_head_attention_forward(
+                    q, k, v, *weights, self.h, mask, p, self.need_weights, self.is_causal
+                )
+            )
+            self._projection_memo.store(sources, (key_proj, value_proj))
+            return output, attention_weights
+        if not (type(q) is Tensor and q.dim() == 3 and q.shape[0] == k.shape[0] and q.shape[2] == self.d_model
+                and q.dtype == k.dtype and q.device == k.device):
+            return None  # the block's op names what is wrong with the query
+
+        def split_heads(x: Tensor) -> Tensor:
+            return x.view(x.shape[0], x.shape[1], self.h, self.d_k).transpose(1, 2)
+
+        heads_out, attention_weights, _, _ = torch.ops.fastmha._attention_forward(
+            split_heads(F.linear(q, weights[0])), split_heads(projections[0]), split_heads(projections[1]), mask, p,
+            self.need_weights, self.is_causal,
+        )
+        context = heads_out.transpose(1, 2).reshape(q.shape[0], q.shape[1], self.d_model).contiguous()
+        return F.linear(context, weights[3]), attention_weights
 
     @torch.jit.export
     def forward_step(
@@ -110,4 +170,4 @@ class MultiHeadAttentionBlock(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, h={self.h}, d_k={self.d_k}, need_weights={self.need_weights}, "
-                f"is_causal={self.is_causal}")
+                f"is_causal={self.is_causal}, reuse_projections={self.reuse_projections}")

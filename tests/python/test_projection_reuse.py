@@ -1,0 +1,220 @@
+"""Reused key/value projections: a decoder re-run over a growing prefix against one encoder output gets the same
+numbers as recomputing every projection, and any change of the key, value or weights is seen."""
+
+import copy
+import gc
+import io
+import pickle
+
+import pytest
+import torch
+from oracle import OracleBlock
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fastmha
+from fastmha._projection_memo import ProjectionMemo
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the fastmha ops a call runs (their names), to see which path the block took."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "fastmha":
+            self.names.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+def blocks(d_model=32, h=4, dtype=torch.float64, **options):
+    torch.manual_seed(0)
+    reusing = fastmha.MultiHeadAttentionBlock(d_model, h, 0.0, **options).to(dtype).eval()
+    fresh = fastmha.MultiHeadAttentionBlock(d_model, h, 0.0, reuse_projections=False, **options).to(dtype).eval()
+    fresh.load_state_dict(reusing.state_dict())
+    oracle = OracleBlock(d_model, h).to(dtype)
+    oracle.load_state_dict(reusing.state_dict())
+    return reusing, fresh, oracle
+
+
+def padding_mask(batch, length, kept):
+    return (torch.arange(length)[None, :] < torch.tensor(kept)[:, None])[:, None, None, :].to(torch.int64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_decoding_loop_matches_recomputation_bit_for_bit(dtype, need_weights):
+    reusing, fresh, oracle = blocks(dtype=dtype, need_weights=need_weights)
+    memory = torch.randn(2, 11, 32, dtype=dtype)
+    mask = padding_mask(2, 11, [7, 11])
+    with torch.no_grad():
+        for length in range(1, 7):
+            x = torch.randn(2, length, 32, dtype=dtype)
+            counter = OpCounter()
+            with counter:
+                out = reusing(x, memory, memory, mask)
+            # The first call runs the block's forward and keeps the projections; later ones project the query and
+            # run the attention core only.
+            assert counter.names == (["_multi_head_attention_forward"] if length == 1 else ["_attention_forward"])
+            expected = fresh(x, memory, memory, mask)
+            assert torch.equal(out, expected)
+            if need_weights:
+                assert torch.equal(reusing.attention_scores, fresh.attention_scores)
+            else:
+                assert reusing.attention_scores is None
+            if dtype == torch.float64:
+                ref_out, ref_weights = oracle(x, memory, memory, mask)
+                torch.testing.assert_close(out, ref_out)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_distinct_key_and_value_and_causal(is_causal):
+    reusing, fresh, oracle = blocks(is_causal=is_causal)
+    key, value = torch.randn(3, 9, 32, dtype=torch.float64), torch.randn(3, 9, 32, dtype=torch.float64)
+    with torch.no_grad():
+        for length in (4, 9, 12):
+            x = torch.randn(3, length, 32, dtype=torch.float64)
+            out = reusing(x, key, value)
+            assert torch.equal(out, fresh(x, key, value))
+            causal = torch.ones(length, 9).tril() if is_causal else None
+            torch.testing.assert_close(out, oracle(x, key, value, causal)[0])
+
+
+def test_dropout_in_training_mode_draws_the_same_masks():
+    reusing, fresh, _ = blocks()
+    reusing.dropout.p = fresh.dropout.p = 0.3
+    reusing.train(), fresh.train()
+    memory = torch.randn(2, 8, 32, dtype=torch.float64)
+    with torch.no_grad():
+        for length in (2, 3):
+            x = torch.randn(2, length, 32, dtype=torch.float64)
+            torch.manual_seed(5)
+            out = reusing(x, memory, memory)
+            torch.manual_seed(5)
+            assert torch.equal(out, fresh(x, memory, memory))
+
+
+def changes():
+    """Ways the key/value projections become stale, each applied to (block, memory) -> new memory."""
+
+    def in_place_memory(block, memory):
+        memory.add_(1.0)
+        return memory
+
+    def new_memory_same_values(block, memory):
+        return memory.clone()
+
+    def optimizer_like_step(block, memory):
+        block.w_k.weight.add_(0.5)
+        return memory
+
+    def value_weight_step(block, memory):
+        block.w_v.weight.mul_(2.0)
+        return memory
+
+    def load_state_dict(block, memory):
+        state = {name: t + 0.25 for name, t in block.state_dict().items()}
+        block.load_state_dict(state)
+        return memory
+
+    def new_parameter(block, memory):
+        block.w_k.weight = torch.nn.Parameter(torch.randn_like(block.w_k.weight))
+        return memory
+
+    def resized_in_place(block, memory):
+        memory.resize_(memory.shape[0], memory.shape[1] - 2, memory.shape[2])
+        return memory
+
+    return [in_place_memory, new_memory_same_values, optimizer_like_step, value_weight_step, load_state_dict,
+            new_parameter, resized_in_place]
+
+
+@pytest.mark.parametrize("change", changes(), ids=lambda f: f.__name__)
+def test_any_change_of_key_value_or_weights_is_seen(change):
+    reusing, _, oracle = blocks()
+    memory = torch.randn(2, 8, 32, dtype=torch.float64)
+    x = torch.randn(2, 3, 32, dtype=torch.float64)
+    with torch.no_grad():
+        reusing(x, memory, memory)
+        memory = change(reusing, memory)
+        out = reusing(x, memory, memory)
+    oracle.load_state_dict(reusing.state_dict())
+    torch.testing.assert_close(out, oracle(x, memory, memory)[0])
+
+
+def test_gradients_on_recompute_and_flow():
+    reusing, _, oracle = blocks()
+    memory = torch.randn(2, 8, 32, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(2, 3, 32, dtype=torch.float64)
+    with torch.no_grad():
+        reusing(x, memory, memory)
+    out = reusing(x, memory, memory)  # gradients on: the full op, with its autograd
+    assert out.grad_fn is not None
+    (grad,) = torch.autograd.grad(out.sum(), memory)
+    ref_memory = memory.detach().requires_grad_()
+    (ref_grad,) = torch.autograd.grad(oracle(x, ref_memory, ref_memory)[0].sum(), ref_memory)
+    torch.testing.assert_close(grad, ref_grad)
+
+
+def test_inference_mode_and_self_attention_compute_afresh():
+    reusing, fresh, _ = blocks()
+    with torch.inference_mode():
+        memory = torch.randn(2, 8, 32, dtype=torch.float64)  # an inference tensor: no version counter to watch
+        for length in (2, 3):
+            x = torch.randn(2, length, 32, dtype=torch.float64)
+            counter = OpCounter()
+            with counter:
+                out = reusing(x, memory, memory)
+            assert "_attention_forward" not in counter.names
+            assert torch.equal(out, fresh(x, memory, memory))
+    with torch.no_grad():
+        for length in (4, 4):
+            x = torch.randn(2, length, 32, dtype=torch.float64)
+            counter = OpCounter()
+            with counter:
+                reusing(x, x, x)  # self-attention: the key changes with the query, nothing to reuse
+            assert "_attention_forward" not in counter.names
+
+
+def test_bad_inputs_after_a_reuse_still_get_the_blocks_errors():
+    reusing, _, _ = blocks()
+    memory = torch.randn(2, 8, 32, dtype=torch.float64)
+    with torch.no_grad():
+        reusing(torch.randn(2, 3, 32, dtype=torch.float64), memory, memory)
+        with pytest.raises(RuntimeError, match=r"query must have d_model = 32 .*\[2, 3, 16\]"):
+            reusing(torch.randn(2, 3, 16, dtype=torch.float64), memory, memory)
+        with pytest.raises(RuntimeError, match=r"key must have the query.s dtype Float, got Double"):
+            reusing(torch.randn(2, 3, 32), memory, memory)
+        with pytest.raises(RuntimeError, match=r"mask of shape \[3, 1, 8\] does not broadcast"):
+            reusing(torch.randn(2, 3, 32, dtype=torch.float64), memory, memory, torch.ones(3, 1, 8))
+        out = reusing(torch.randn(2, 3, 32, dtype=torch.float64), memory, memory)
+    assert out.shape == (2, 3, 32)
+
+
+def test_projections_are_freed_with_the_key_and_value():
+    memo = ProjectionMemo()
+    key = torch.randn(4, 4)
+    projections = (torch.randn(4, 4),)
+    memo.store((key,), projections)
+    assert memo.lookup((key,)) is projections
+    assert memo.lookup((key.clone(),)) is None
+    del key
+    gc.collect()
+    assert memo._entry is None
+
+
+def test_copies_and_pickles_carry_no_memo():
+    reusing, _, oracle = blocks()
+    memory = torch.randn(2, 8, 32, dtype=torch.float64)
+    x = torch.randn(2, 3, 32, dtype=torch.float64)
+    with torch.no_grad():
+        reusing(x, memory, memory)
+        buffer = io.BytesIO()
+        torch.save(reusing, buffer)
+        buffer.seek(0)
+        for copied in (copy.deepcopy(reusing), pickle.loads(pickle.dumps(reusing)),
+                       torch.load(buffer, weights_only=False)):
+            assert copied._projection_memo.lookup((memory,)) is None
+            torch.testing.assert_close(copied(x, memory, memory), oracle(x, memory, memory)[0])
+    assert "reuse_projections=True" in repr(reusing)
