@@ -27,6 +27,7 @@
 #include "ops/cpu/attention_params.h"
 #include "ops/cpu/blas.h"
 #include "ops/cpu/key_span.h"
+#include "ops/cpu/philox_batch.h"
 #include "ops/philox.h"
 
 namespace fastmha::cpu {
@@ -98,49 +99,17 @@ void scale_row(T* x, int64_t n, T factor) {
 }
 
 // Dropout multipliers (0 or 1/(1-p)) of elements first .. first + n - 1 of the (B, H, Lq, Lk) score layout:
-// the same numbers as philox::keep_scale. Philox blocks are generated for 16 counters at a time in
-// structure-of-arrays form, which the compiler turns into vector code.
+// the same numbers as philox::keep_scale, from Philox blocks generated 16 at a time.
 template <typename T>
 void fill_keep(const AttentionInputs<T>& in, uint64_t first, int64_t n, std::vector<uint32_t>& words, T* keep) {
   if (n == 0) {
     return;
   }
-  constexpr int64_t kLanes = 16;
   const uint64_t first_block = first >> 2, last_block = (first + static_cast<uint64_t>(n) - 1) >> 2;
   const int64_t blocks = static_cast<int64_t>(last_block - first_block + 1);
-  words.resize(static_cast<size_t>((blocks + kLanes) * 4));
-  for (int64_t b0 = 0; b0 < blocks; b0 += kLanes) {
-    uint32_t c0[kLanes], c1[kLanes], c2[kLanes], c3[kLanes];
-    for (int64_t l = 0; l < kLanes; ++l) {
-      uint32_t c[4];
-      philox::counter_words(in.offset, first_block + static_cast<uint64_t>(b0 + l), c);
-      c0[l] = c[0];
-      c1[l] = c[1];
-      c2[l] = c[2];
-      c3[l] = c[3];
-    }
-    uint32_t k0 = static_cast<uint32_t>(in.seed), k1 = static_cast<uint32_t>(in.seed >> 32);
-    for (int round = 0; round < 10; ++round) {
-      for (int64_t l = 0; l < kLanes; ++l) {
-        const uint64_t p0 = static_cast<uint64_t>(0xD2511F53u) * c0[l];
-        const uint64_t p1 = static_cast<uint64_t>(0xCD9E8D57u) * c2[l];
-        const uint32_t n0 = static_cast<uint32_t>(p1 >> 32) ^ c1[l] ^ k0;
-        const uint32_t n2 = static_cast<uint32_t>(p0 >> 32) ^ c3[l] ^ k1;
-        c1[l] = static_cast<uint32_t>(p1);
-        c3[l] = static_cast<uint32_t>(p0);
-        c0[l] = n0;
-        c2[l] = n2;
-      }
-      k0 += 0x9E3779B9u;
-      k1 += 0xBB67AE85u;
-    }
-    for (int64_t l = 0; l < kLanes; ++l) {
-      uint32_t* w = words.data() + (b0 + l) * 4;
-      w[0] = c0[l];
-      w[1] = c1[l];
-      w[2] = c2[l];
-      w[3] = c3[l];
-    }
+  words.resize(static_cast<size_t>((blocks + kPhiloxBatch) * 4));
+  for (int64_t b0 = 0; b0 < blocks; b0 += kPhiloxBatch) {
+    philox_blocks16(in.seed, in.offset, first_block + static_cast<uint64_t>(b0), words.data() + b0 * 4);
   }
   const uint32_t* w = words.data() + (first & 3);
   const float p = static_cast<float>(in.dropout_p);
