@@ -14,6 +14,7 @@
 #include "ops/checks.h"
 #include "ops/cpu/attention_params.h"
 #include "ops/cpu/cpu_capability.h"
+#include "ops/cpu/large_buffer.h"
 #include "ops/kernel_choice.h"
 #include "ops/stock/stock_attention.h"
 
@@ -110,8 +111,9 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
   const auto acc = at::toOpMathType(dtype);
   const int64_t batch = query.size(0), heads = query.size(1), len_q = query.size(2), len_k = key.size(2);
   const auto acc_options = query.options().dtype(acc);
-  auto output = at::empty({batch, heads, len_q, value.size(3)}, acc_options);
-  auto weights = need_weights ? at::empty({batch, heads, len_q, len_k}, acc_options) : at::empty({0}, acc_options);
+  auto output = cpu::empty_large({batch, heads, len_q, value.size(3)}, acc_options);
+  auto weights =
+      need_weights ? cpu::empty_large({batch, heads, len_q, len_k}, acc_options) : at::empty({0}, acc_options);
   auto logsumexp = at::empty({batch, heads, len_q}, acc_options);
   auto rng_state = dropout_p > 0 ? draw_rng_state() : at::zeros({2}, at::kLong);
   const auto q = kernel_operand(query, acc), k = kernel_operand(key, acc), v = kernel_operand(value, acc);
@@ -147,9 +149,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
                                           : std::clamp<int64_t>((2 * threads + heads_total - 1) / heads_total, 1,
                                                                 std::max<int64_t>(chunks, 1));
   const auto acc_options = query.options().dtype(acc);
-  auto grad_q = at::empty({batch, heads, len_q, d_k}, acc_options);
-  auto grad_k_partial = at::empty({heads_total, splits, len_k, d_k}, acc_options);
-  auto grad_v_partial = at::empty({heads_total, splits, len_k, d_v}, acc_options);
+  auto grad_q = cpu::empty_large({batch, heads, len_q, d_k}, acc_options);
+  auto grad_k_partial = cpu::empty_large({heads_total, splits, len_k, d_k}, acc_options);
+  auto grad_v_partial = cpu::empty_large({heads_total, splits, len_k, d_v}, acc_options);
   const auto q = kernel_operand(query, acc), k = kernel_operand(key, acc), v = kernel_operand(value, acc);
   const auto grad_out = grad_output.to(acc).contiguous();
   const bool has_grad_weights = grad_weights.has_value() && grad_weights->defined();
