@@ -33,20 +33,23 @@ class ProjectionMemo:
 
     def __init__(self) -> None:
         # One attribute, replaced whole: a lookup never pairs one call's sources with another's projections.
-        self._entry: Optional[Tuple[List[Tuple[Callable[[], Optional[Tensor]], tuple]], Tuple[Tensor, ...]]] = None
+        self._entry: Optional[Tuple[List[Tuple[Callable[[], Optional[Tensor]], tuple]], object, Tuple[Tensor, ...]]]
+        self._entry = None
 
-    def lookup(self, sources: Sequence[Tensor]) -> Optional[Tuple[Tensor, ...]]:
-        """The projections stored for exactly these tensors, unchanged since; None otherwise."""
+    def lookup(self, sources: Sequence[Tensor], context: object = None) -> Optional[Tuple[Tensor, ...]]:
+        """The projections stored for exactly these tensors, unchanged since, under an equal ``context`` (the
+        caller's stream: projections made on one CUDA stream are not handed to another unsynchronized); None
+        otherwise."""
         entry = self._entry
-        if entry is None or len(sources) != len(entry[0]):
+        if entry is None or len(sources) != len(entry[0]) or entry[1] != context:
             return None
         for t, (ref, fingerprint) in zip(sources, entry[0]):
             if ref() is not t or _fingerprint(t) != fingerprint:
                 return None
-        return entry[1]
+        return entry[2]
 
-    def store(self, sources: Sequence[Tensor], projections: Tuple[Tensor, ...]) -> None:
-        self._entry = ([(weakref.ref(t, self._forget), _fingerprint(t)) for t in sources], projections)
+    def store(self, sources: Sequence[Tensor], projections: Tuple[Tensor, ...], context: object = None) -> None:
+        self._entry = ([(weakref.ref(t, self._forget), _fingerprint(t)) for t in sources], context, projections)
 
     def clear(self) -> None:
         self._entry = None

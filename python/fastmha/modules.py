@@ -119,14 +119,17 @@ class MultiHeadAttentionBlock(nn.Module):
         sources = (k, v, *weights)
         if not all(can_hold(t) for t in sources) or torch.is_autocast_enabled(k.device.type):
             return None
-        projections = self._projection_memo.lookup(sources)
+        if k.is_cuda and torch.cuda.is_current_stream_capturing():  # a graph's memory is not ours to keep
+            return None
+        stream = torch.cuda.current_stream(k.device).cuda_stream if k.is_cuda else None
+        projections = self._projection_memo.lookup(sources, stream)
         if projections is None:
             output, attention_weights, _, key_proj, value_proj, _, _, _ = (
                 torch.ops.fastmha._multi_head_attention_forward(
                     q, k, v, *weights, self.h, mask, p, self.need_weights, self.is_causal
                 )
             )
-            self._projection_memo.store(sources, (key_proj, value_proj))
+            self._projection_memo.store(sources, (key_proj, value_proj), stream)
             return output, attention_weights
         if not (type(q) is Tensor and q.dim() == 3 and q.shape[0] == k.shape[0] and q.shape[2] == self.d_model
                 and q.dtype == k.dtype and q.device == k.device):

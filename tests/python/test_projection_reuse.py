@@ -28,12 +28,13 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def blocks(d_model=32, h=4, dtype=torch.float64, **options):
+def blocks(d_model=32, h=4, dtype=torch.float64, device="cpu", **options):
     torch.manual_seed(0)
-    reusing = fastmha.MultiHeadAttentionBlock(d_model, h, 0.0, **options).to(dtype).eval()
-    fresh = fastmha.MultiHeadAttentionBlock(d_model, h, 0.0, reuse_projections=False, **options).to(dtype).eval()
+    reusing = fastmha.MultiHeadAttentionBlock(d_model, h, 0.0, **options).to(device, dtype).eval()
+    fresh = fastmha.MultiHeadAttentionBlock(d_model, h, 0.0, reuse_projections=False, **options)
+    fresh = fresh.to(device, dtype).eval()
     fresh.load_state_dict(reusing.state_dict())
-    oracle = OracleBlock(d_model, h).to(dtype)
+    oracle = OracleBlock(d_model, h).to(device, dtype)
     oracle.load_state_dict(reusing.state_dict())
     return reusing, fresh, oracle
 
@@ -44,13 +45,13 @@ def padding_mask(batch, length, kept):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("need_weights", [True, False])
-def test_decoding_loop_matches_recomputation_bit_for_bit(dtype, need_weights):
-    reusing, fresh, oracle = blocks(dtype=dtype, need_weights=need_weights)
-    memory = torch.randn(2, 11, 32, dtype=dtype)
-    mask = padding_mask(2, 11, [7, 11])
+def test_decoding_loop_matches_recomputation_bit_for_bit(device, dtype, need_weights):
+    reusing, fresh, oracle = blocks(dtype=dtype, device=device, need_weights=need_weights)
+    memory = torch.randn(2, 11, 32, dtype=dtype, device=device)
+    mask = padding_mask(2, 11, [7, 11]).to(device)
     with torch.no_grad():
         for length in range(1, 7):
-            x = torch.randn(2, length, 32, dtype=dtype)
+            x = torch.randn(2, length, 32, dtype=dtype, device=device)
             counter = OpCounter()
             with counter:
                 out = reusing(x, memory, memory, mask)
@@ -199,6 +200,7 @@ def test_projections_are_freed_with_the_key_and_value():
     memo.store((key,), projections)
     assert memo.lookup((key,)) is projections
     assert memo.lookup((key.clone(),)) is None
+    assert memo.lookup((key,), context="another stream") is None
     del key
     gc.collect()
     assert memo._entry is None
