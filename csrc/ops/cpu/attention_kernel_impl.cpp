@@ -28,6 +28,7 @@
 #include "ops/cpu/blas.h"
 #include "ops/cpu/key_span.h"
 #include "ops/cpu/philox_batch.h"
+#include "ops/cpu/weights_row.h"
 #include "ops/philox.h"
 
 namespace fastmha::cpu {
@@ -127,15 +128,13 @@ struct KeySpan {
   int64_t size() const { return hi - lo; }
 };
 
-// Where a chunk's score rows live: in the kept weights (row stride Lk, the span at its own columns), or packed
-// in a task buffer (row stride = the span's size), so that a short span of long rows stays dense in cache.
+// A chunk's score rows, packed in a task buffer (row stride = the span's size), so that a short span of long
+// rows stays dense in cache.
 template <typename T>
 struct ScoreRows {
   T* base;
-  bool packed;
-  int64_t len_k;
-  int64_t ld(const KeySpan& span) const { return packed ? std::max<int64_t>(span.size(), 1) : len_k; }
-  T* first(const KeySpan& span) const { return packed ? base : base + span.lo; }
+  int64_t ld(const KeySpan& span) const { return std::max<int64_t>(span.size(), 1); }
+  T* first(const KeySpan&) const { return base; }
 };
 
 // Dropout multipliers of a chunk's rows over its key span, packed (row stride = the span's size): one pass
@@ -292,9 +291,14 @@ void forward_impl(const AttentionInputs<T>& in, const AttentionForwardOutputs<T>
   const int64_t chunks = (in.len_q + chunk - 1) / chunk;
   const int64_t tasks = in.batch * in.heads * chunks;
   const int64_t ld = in.len_k;
+  // Weights beyond what the caches hold are streamed to memory (see weights_row.h).
+  constexpr int64_t kStreamBytes = int64_t{16} << 20;
+  const bool stream_weights =
+      out.weights != nullptr && in.batch * in.heads * in.len_q * ld * int64_t(sizeof(T)) >= kStreamBytes;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> buffer(out.weights ? 0 : chunk * ld), inv_sum(chunk), keep(in.dropout_p > 0 ? chunk * ld : 0);
-    const bool packed = out.weights == nullptr;
+    // Scores are computed in a task buffer, packed to the span's width, also when the weights are kept: they
+    // are then written out once, normalized, and the buffer stays in cache for the GEMM with V.
+    std::vector<T> buffer(chunk * ld), inv_sum(chunk), keep(in.dropout_p > 0 ? chunk * ld : 0);
     NonFiniteKeys<T> non_finite;
     std::vector<uint32_t> words;
     for (int64_t task = begin; task < end; ++task) {
@@ -302,7 +306,7 @@ void forward_impl(const AttentionInputs<T>& in, const AttentionForwardOutputs<T>
       const int64_t rows = std::min(chunk, in.len_q - row0);
       const Head<T> head = head_pointers(in, bh);
       const int64_t first_row = bh * in.len_q + row0;  // row index in (B*H*Lq)
-      const ScoreRows<T> scores{packed ? buffer.data() : out.weights + first_row * ld, packed, ld};
+      const ScoreRows<T> scores{buffer.data()};
       const KeySpan span = scores_for_chunk(in, head, bh, row0, rows, scores, non_finite);
       const int64_t n = span.size(), score_ld = scores.ld(span);
       T* const first = scores.first(span);
@@ -315,23 +319,20 @@ void forward_impl(const AttentionInputs<T>& in, const AttentionForwardOutputs<T>
         const auto [max, sum] = exp_row(s, n);
         out.lse[first_row + r] = max + std::log(sum);
         inv_sum[r] = T(1) / sum;
-        if (out.weights) {
-          scale_row(s, n, inv_sum[r]);
-          std::fill(s - span.lo, s, T(0));  // keys no query of this chunk can see
-          std::fill(s + n, s - span.lo + ld, T(0));
-        }
         if (in.dropout_p > 0) {
           at::vec::map2([](Vectorized<T> a, Vectorized<T> b) { return a * b; }, s, s, keep.data() + r * n, n);
+        }
+        if (out.weights) {  // zeros at the keys no query of this chunk can see
+          write_weights_row(out.weights + (first_row + r) * ld, s, span.lo, span.hi, ld, inv_sum[r], stream_weights);
         }
       }
       gemm<T>(false, false, rows, in.d_v, n, T(1), first, score_ld, head.v + span.lo * in.v_stride.row, in.v_stride.row,
               T(0), out_rows, in.d_v);
-      if (!out.weights) {  // normalize d_v outputs per row instead of Lk weights
-        for (int64_t r = 0; r < rows; ++r) {
-          scale_row(out_rows + r * in.d_v, in.d_v, n > 0 ? inv_sum[r] : T(0));
-        }
+      for (int64_t r = 0; r < rows; ++r) {  // normalize d_v outputs per row instead of Lk weights
+        scale_row(out_rows + r * in.d_v, in.d_v, n > 0 ? inv_sum[r] : T(0));
       }
     }
+    fence_streamed_stores();
   });
 }
 
@@ -440,7 +441,7 @@ void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<
         const bool rows_finite = finite_rows(grad_out, in.d_v, 0, rows, in.d_v) &&
                                  finite_rows(head.q + row0 * in.q_stride.row, in.q_stride.row, 0, rows, in.d_k);
         const KeySpan span =
-            scores_for_chunk(in, head, bh, row0, rows, ScoreRows<T>{probs.data(), true, ld}, non_finite, !rows_finite);
+            scores_for_chunk(in, head, bh, row0, rows, ScoreRows<T>{probs.data()}, non_finite, !rows_finite);
         const int64_t width = span.size(), packed_ld = std::max<int64_t>(width, 1);
         const T* v_span = head.v + span.lo * in.v_stride.row;
         const T* k_span = head.k + span.lo * in.k_stride.row;
