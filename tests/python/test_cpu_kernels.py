@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 from oracle import oracle_attention
+from philox_reference import expected_keep
 
 import fastmha  # noqa: F401
 
@@ -87,7 +88,11 @@ torch.manual_seed(0)
 q, k, v = (torch.randn(2, 2, 77, 24, dtype=torch.float64) for _ in range(3))
 mask = torch.rand(2, 1, 77, 77) > 0.3
 out, w = torch.ops.fastmha.attention(q, k, v, mask, 0.0, True, True)
-torch.save((q, k, v, mask, out, w), {path!r})
+# Kept weights of over 16 MiB (written with non-temporal stores where the ISA has them), with dropout.
+big = [torch.randn(1, 4, 1030, 16) for _ in range(3)]
+padding = (torch.arange(1030) < 700)[None, None, None, :]
+big_out, big_w, _, rng_state = torch.ops.fastmha._attention_forward(*big, padding, 0.3, True, False)
+torch.save((q, k, v, mask, out, w, big, padding, big_out, big_w, rng_state), {path!r})
 print(fastmha._C.cpu_capability())
 """
 
@@ -99,8 +104,15 @@ def test_every_cpu_variant_matches_the_oracle(tmp_path, capability):
     result = subprocess.run([sys.executable, "-c", SCRIPT.format(path=path)], env=env, capture_output=True,
                             text=True, check=True)
     assert result.stdout.strip() in (capability, "default")  # avx2 falls back where the CPU lacks it
-    q, k, v, mask, out, w = torch.load(path)
+    q, k, v, mask, out, w, big, padding, big_out, big_w, rng_state = torch.load(path)
     causal = torch.tril(torch.ones(77, 77, dtype=torch.bool))
     ref_out, ref_w = oracle_attention(q, k, v, mask & causal)
     torch.testing.assert_close(out, ref_out)
     torch.testing.assert_close(w, ref_w)
+    # Dropout: the Philox stream's draws, bit for bit; values against the oracle given those draws.
+    seed, offset = (int(x) % 2**64 for x in rng_state.tolist())
+    keep = expected_keep(seed, offset, tuple(big_w.shape), 0.3)
+    assert torch.equal(big_w != 0, keep & padding)
+    ref_out, ref_w = oracle_attention(*(t.double() for t in big), padding, keep=keep, p=0.3)
+    torch.testing.assert_close(big_w, ref_w.float(), atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(big_out, ref_out.float(), atol=1e-5, rtol=1e-4)
