@@ -6,50 +6,92 @@ the same encoder output as key and value to every cross-attention block at every
 decoder's work. The memo hands back the tensors computed the first time, bit for bit what a new computation gives.
 
 A tensor counts as the same only if it is the same object (held through a weak reference, so the memo never
-keeps an input alive) with the same version counter (bumped by every in-place change, optimizer steps and
-``load_state_dict`` included), data pointer, shape, strides, dtype and device. The projections are freed as soon
-as the key or value tensor is.
+keeps an input alive) with the same version counter, data pointer, shape, strides, dtype and device, and the same
+bits as when the projections were made. The bits are compared with a copy the memo keeps, because some writes
+leave the version counter alone (through ``.data``, or into memory shared with NumPy or DLPack); reading them is
+far cheaper than the projection. The projections and copies are freed as soon as a source tensor is.
 """
 
 import weakref
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
+
+_SAME_SIZE_INTEGER = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 def _fingerprint(t: Tensor) -> tuple:
     return (t._version, t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
 
 
+def _bits(t: Tensor) -> Tensor:
+    # Integers of the same size: equality of bits (NaN equals itself, -0.0 differs from 0.0).
+    return t.detach().view(_SAME_SIZE_INTEGER[t.element_size()])
+
+
 def can_hold(t: Tensor) -> bool:
-    """Whether the memo can tell a later change of ``t``: a plain tensor (no subclass, fake or functional
-    wrapper) with a version counter (inference tensors have none)."""
-    return (type(t) is torch.Tensor or type(t) is torch.nn.Parameter) and not t.is_inference()
+    """Whether the memo can tell a later change of ``t``: a plain CPU tensor with storage (no subclass, fake,
+    functorch or functional wrapper) and a version counter (inference tensors have none)."""
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        return False
+    if t.device.type != "cpu" or t.is_inference() or t.element_size() not in _SAME_SIZE_INTEGER:
+        return False
+    try:
+        t.data_ptr()  # wrappers (torch.func transforms) have no storage
+    except RuntimeError:
+        return False
+    return True
+
+
+class _Source(NamedTuple):
+    ref: "weakref.ref[Tensor]"
+    fingerprint: tuple
+    bits: Tensor
+
+
+class _Entry(NamedTuple):
+    sources: List[_Source]
+    context: object
+    projections: Tuple[Tensor, ...]
 
 
 class ProjectionMemo:
-    """Projections keyed by the identity and version of the tensors they were computed from."""
+    """Projections keyed by the identity, version and bits of the tensors they were computed from."""
 
     def __init__(self) -> None:
         # One attribute, replaced whole: a lookup never pairs one call's sources with another's projections.
-        self._entry: Optional[Tuple[List[Tuple[Callable[[], Optional[Tensor]], tuple]], object, Tuple[Tensor, ...]]]
-        self._entry = None
+        self._entry: Optional[_Entry] = None
 
     def lookup(self, sources: Sequence[Tensor], context: object = None) -> Optional[Tuple[Tensor, ...]]:
-        """The projections stored for exactly these tensors, unchanged since, under an equal ``context`` (the
-        caller's stream: projections made on one CUDA stream are not handed to another unsynchronized); None
-        otherwise."""
+        """The projections stored for exactly these tensors, unchanged since, under an equal ``context`` (what
+        else decides the projections' bits: thread count, matmul precision); None otherwise."""
         entry = self._entry
-        if entry is None or len(sources) != len(entry[0]) or entry[1] != context:
+        if entry is None or len(sources) != len(entry.sources) or entry.context != context:
             return None
-        for t, (ref, fingerprint) in zip(sources, entry[0]):
-            if ref() is not t or _fingerprint(t) != fingerprint:
+        for t, source in zip(sources, entry.sources):
+            if source.ref() is not t or _fingerprint(t) != source.fingerprint:
                 return None
-        return entry[2]
+        for t, source in zip(sources, entry.sources):
+            if not torch.equal(_bits(t), source.bits):
+                return None
+        return entry.projections
 
     def store(self, sources: Sequence[Tensor], projections: Tuple[Tensor, ...], context: object = None) -> None:
-        self._entry = ([(weakref.ref(t, self._forget), _fingerprint(t)) for t in sources], context, projections)
+        copies: Dict[int, Tensor] = {}  # key and value are often one tensor: one copy
+        for t in sources:
+            if id(t) not in copies:
+                copies[id(t)] = _bits(t).clone()
+        # The callbacks hold the memo weakly: no reference cycle keeps the projections alive after the module.
+        memo = weakref.ref(self)
+
+        def forget(dead: "weakref.ref[Tensor]") -> None:
+            owner = memo()
+            if owner is not None:
+                owner._forget(dead)
+
+        self._entry = _Entry([_Source(weakref.ref(t, forget), _fingerprint(t), copies[id(t)]) for t in sources],
+                             context, projections)
 
     def clear(self) -> None:
         self._entry = None
@@ -57,7 +99,7 @@ class ProjectionMemo:
     def _forget(self, dead: object) -> None:
         # A source tensor was freed: its projections can never be asked for again.
         entry = self._entry
-        if entry is not None and any(ref is dead for ref, _ in entry[0]):
+        if entry is not None and any(source.ref is dead for source in entry.sources):
             self._entry = None
 
     # Modules are copied and pickled with their attributes; a memo travels empty (weak references cannot).
@@ -65,7 +107,7 @@ class ProjectionMemo:
         return ProjectionMemo()
 
     def __getstate__(self) -> dict:
-        return {}
+        return {"empty": True}  # not falsy: pickle protocols 0 and 1 call __setstate__ only for a true state
 
     def __setstate__(self, state: dict) -> None:
         self.__init__()

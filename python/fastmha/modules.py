@@ -113,37 +113,40 @@ class MultiHeadAttentionBlock(nn.Module):
         does not apply (then ``forward`` takes its usual path). The first call of a run takes the block's own
         op (its checks, its numbers) and keeps the projections it made; later calls with the same key, value
         and weights project only the query, and run the same attention core and output projection."""
-        if not self.reuse_projections or k is q or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if (not self.reuse_projections or k is q or torch.is_grad_enabled() or torch.compiler.is_compiling()
+                or torch.jit.is_tracing()):  # a trace would record the kept projections as constants
             return None
-        weights = (self.w_q.weight, self.w_k.weight, self.w_v.weight, self.w_o.weight)
-        sources = (k, v, *weights)
-        if not all(can_hold(t) for t in sources) or torch.is_autocast_enabled(k.device.type):
+        w_q, w_k, w_v, w_o = self.w_q.weight, self.w_k.weight, self.w_v.weight, self.w_o.weight
+        sources = (k, v, w_k, w_v)
+        if not all(can_hold(t) for t in sources) or torch.is_autocast_enabled("cpu"):
             return None
-        if k.is_cuda and torch.cuda.is_current_stream_capturing():  # a graph's memory is not ours to keep
-            return None
-        stream = torch.cuda.current_stream(k.device).cuda_stream if k.is_cuda else None
-        projections = self._projection_memo.lookup(sources, stream)
+        # Besides the sources, what decides the projections' bits.
+        settings = (torch.get_num_threads(), torch.get_float32_matmul_precision())
+        projections = self._projection_memo.lookup(sources, settings)
         if projections is None:
             output, attention_weights, _, key_proj, value_proj, _, _, _ = (
                 torch.ops.fastmha._multi_head_attention_forward(
-                    q, k, v, *weights, self.h, mask, p, self.need_weights, self.is_causal
+                    q, k, v, w_q, w_k, w_v, w_o, self.h, mask, p, self.need_weights, self.is_causal
                 )
             )
-            self._projection_memo.store(sources, (key_proj, value_proj), stream)
+            self._projection_memo.store(sources, (key_proj, value_proj), settings)
             return output, attention_weights
-        if not (type(q) is Tensor and q.dim() == 3 and q.shape[0] == k.shape[0] and q.shape[2] == self.d_model
-                and q.dtype == k.dtype and q.device == k.device):
-            return None  # the block's op names what is wrong with the query
+        if not all(type(t) in (Tensor, nn.Parameter) and t.dtype == k.dtype and t.device == k.device
+                   for t in (q, w_q, w_o)):
+            return None  # the block's op names what is wrong
+        if q.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != self.d_model or w_q.shape != w_k.shape or (
+                w_o.shape != w_k.shape):
+            return None
 
         def split_heads(x: Tensor) -> Tensor:
             return x.view(x.shape[0], x.shape[1], self.h, self.d_k).transpose(1, 2)
 
         heads_out, attention_weights, _, _ = torch.ops.fastmha._attention_forward(
-            split_heads(F.linear(q, weights[0])), split_heads(projections[0]), split_heads(projections[1]), mask, p,
+            split_heads(F.linear(q, w_q)), split_heads(projections[0]), split_heads(projections[1]), mask, p,
             self.need_weights, self.is_causal,
         )
         context = heads_out.transpose(1, 2).reshape(q.shape[0], q.shape[1], self.d_model).contiguous()
-        return F.linear(context, weights[3]), attention_weights
+        return F.linear(context, w_o), attention_weights
 
     @torch.jit.export
     def forward_step(
@@ -170,6 +173,12 @@ class MultiHeadAttentionBlock(nn.Module):
         if p >= 1.0:  # nn.Dropout(1.0) drops every weight
             output = output * 0.0
         return output, (keys, values)
+
+    def __setstate__(self, state: dict) -> None:
+        # Blocks pickled by earlier versions have neither attribute.
+        super().__setstate__(state)
+        self.__dict__.setdefault("reuse_projections", True)
+        self.__dict__.setdefault("_projection_memo", ProjectionMemo())
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, h={self.h}, d_k={self.d_k}, need_weights={self.need_weights}, "
