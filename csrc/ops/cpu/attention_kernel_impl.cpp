@@ -128,14 +128,9 @@ struct KeySpan {
   int64_t size() const { return hi - lo; }
 };
 
-// A chunk's score rows, packed in a task buffer (row stride = the span's size), so that a short span of long
-// rows stays dense in cache.
-template <typename T>
-struct ScoreRows {
-  T* base;
-  int64_t ld(const KeySpan& span) const { return std::max<int64_t>(span.size(), 1); }
-  T* first(const KeySpan&) const { return base; }
-};
+// A chunk's score rows are packed in a task buffer with this row stride, so that a short span of long rows
+// stays dense in cache.
+inline int64_t packed_ld(const KeySpan& span) { return std::max<int64_t>(span.size(), 1); }
 
 // Dropout multipliers of a chunk's rows over its key span, packed (row stride = the span's size): one pass
 // when the rows are contiguous in the score layout (all keys), so short rows do not each pay for a Philox
@@ -196,14 +191,14 @@ KeySpan visible_span(const AttentionInputs<T>& in, const Head<T>& head, int64_t 
 // all Lk keys (the -1e9 rule), so the caller recomputes the chunk over all keys.
 template <typename T>
 bool chunk_scores(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows, const KeySpan& span,
-                  const ScoreRows<T>& scores) {
+                  T* scores) {
   using Vec = Vectorized<T>;
-  const int64_t ld = scores.ld(span), n = span.size();
+  const int64_t ld = packed_ld(span), n = span.size();
   gemm<T>(false, true, rows, n, in.d_k, in.scale, head.q + row0 * in.q_stride.row, in.q_stride.row,
-          head.k + span.lo * in.k_stride.row, in.k_stride.row, T(0), scores.first(span), ld);
+          head.k + span.lo * in.k_stride.row, in.k_stride.row, T(0), scores, ld);
   bool complete = true;
   for (int64_t r = 0; r < rows; ++r) {
-    T* s = scores.first(span) + r * ld;
+    T* s = scores + r * ld;
     if (span.masked) {
       apply_mask(s, n, head.mask + (row0 + r) * in.mask_stride[2] + span.lo * in.mask_stride[3], in.mask_stride[3]);
     }
@@ -269,8 +264,7 @@ class NonFiniteKeys {
 
 template <typename T>
 KeySpan scores_for_chunk(const AttentionInputs<T>& in, const Head<T>& head, int64_t head_index, int64_t row0,
-                         int64_t rows, const ScoreRows<T>& scores, NonFiniteKeys<T>& non_finite,
-                         bool all_keys = false) {
+                         int64_t rows, T* scores, NonFiniteKeys<T>& non_finite, bool all_keys = false) {
   const KeySpan all{0, in.len_k, head.mask != nullptr};
   KeySpan span = all_keys ? all : visible_span(in, head, row0, rows);
   // A skipped key would have met a weight or a score gradient of exactly 0, which keeps a NaN or an infinity
@@ -306,10 +300,9 @@ void forward_impl(const AttentionInputs<T>& in, const AttentionForwardOutputs<T>
       const int64_t rows = std::min(chunk, in.len_q - row0);
       const Head<T> head = head_pointers(in, bh);
       const int64_t first_row = bh * in.len_q + row0;  // row index in (B*H*Lq)
-      const ScoreRows<T> scores{buffer.data()};
-      const KeySpan span = scores_for_chunk(in, head, bh, row0, rows, scores, non_finite);
-      const int64_t n = span.size(), score_ld = scores.ld(span);
-      T* const first = scores.first(span);
+      const KeySpan span = scores_for_chunk(in, head, bh, row0, rows, buffer.data(), non_finite);
+      const int64_t n = span.size(), score_ld = packed_ld(span);
+      T* const first = buffer.data();
       T* out_rows = out.out + first_row * in.d_v;
       if (in.dropout_p > 0) {
         fill_chunk_keep(in, first_row, rows, span, words, keep.data());
@@ -440,19 +433,18 @@ void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<
         // infinity in those rows makes them NaN in the math.
         const bool rows_finite = finite_rows(grad_out, in.d_v, 0, rows, in.d_v) &&
                                  finite_rows(head.q + row0 * in.q_stride.row, in.q_stride.row, 0, rows, in.d_k);
-        const KeySpan span =
-            scores_for_chunk(in, head, bh, row0, rows, ScoreRows<T>{probs.data()}, non_finite, !rows_finite);
-        const int64_t width = span.size(), packed_ld = std::max<int64_t>(width, 1);
+        const KeySpan span = scores_for_chunk(in, head, bh, row0, rows, probs.data(), non_finite, !rows_finite);
+        const int64_t width = span.size(), ld_span = packed_ld(span);
         const T* v_span = head.v + span.lo * in.v_stride.row;
         const T* k_span = head.k + span.lo * in.k_stride.row;
         gemm<T>(false, true, rows, width, in.d_v, T(1), grad_out, in.d_v, v_span, in.v_stride.row, T(0), grad_w.data(),
-                packed_ld);
+                ld_span);
         if (in.dropout_p > 0) {
           fill_chunk_keep(in, first_row, rows, span, words, keep.data());
         }
         for (int64_t r = 0; r < rows; ++r) {
-          T* p = probs.data() + r * packed_ld;
-          T* dw = grad_w.data() + r * packed_ld;
+          T* p = probs.data() + r * ld_span;
+          T* dw = grad_w.data() + r * ld_span;
           const T* keep_row = in.dropout_p > 0 ? keep.data() + r * width : nullptr;
           if (g.out != nullptr && g.grad_weights == nullptr) {
             fused_backward_row(in, g, first_row + r, row0 + r, span, head, p, dw, keep_row);
@@ -483,11 +475,11 @@ void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<
           }
         }
         // dV += W^T dO ; dQ = scale * dS K ; dK += scale * dS^T Q (over the keys this chunk sees)
-        gemm<T>(true, false, width, in.d_v, rows, T(1), probs.data(), packed_ld, grad_out, in.d_v, T(1),
+        gemm<T>(true, false, width, in.d_v, rows, T(1), probs.data(), ld_span, grad_out, in.d_v, T(1),
                 grad_v + span.lo * in.d_v, in.d_v);
-        gemm<T>(false, false, rows, in.d_k, width, in.scale, grad_w.data(), packed_ld, k_span, in.k_stride.row, T(0),
+        gemm<T>(false, false, rows, in.d_k, width, in.scale, grad_w.data(), ld_span, k_span, in.k_stride.row, T(0),
                 g.grad_q + first_row * in.d_k, in.d_k);
-        gemm<T>(true, false, width, in.d_k, rows, in.scale, grad_w.data(), packed_ld, head.q + row0 * in.q_stride.row,
+        gemm<T>(true, false, width, in.d_k, rows, in.scale, grad_w.data(), ld_span, head.q + row0 * in.q_stride.row,
                 in.q_stride.row, T(1), grad_k + span.lo * in.d_k, in.d_k);
       }
     }

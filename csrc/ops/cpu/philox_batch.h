@@ -2,10 +2,11 @@
 // philox::random4 (ops/philox.h), which the kernels' per-element draws must match bit for bit. Included by
 // each per-ISA compile of the kernels (CPU_CAPABILITY): with AVX2 the rounds run on two independent 8-lane
 // chains, which hides the latency of the 32 x 32 -> 64-bit multiplies (about 4x the throughput of the
-// compiler's code for the plain loop on Zen 3); otherwise on 16-lane arrays that the compiler vectorizes as it
-// can.
+// compiler's code for the plain loop on Zen 3); otherwise, and where a batch's counters carry into their high
+// word, one philox::random4 per block.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #if defined(__AVX2__)
@@ -18,40 +19,6 @@ namespace fastmha::cpu {
 namespace CPU_CAPABILITY {
 
 constexpr int64_t kPhiloxBatch = 16;
-
-// The scalar form: any 16 counters.
-inline void philox_blocks16_scalar(uint64_t seed, uint64_t offset, const uint64_t* counters, uint32_t* words) {
-  uint32_t c0[kPhiloxBatch], c1[kPhiloxBatch], c2[kPhiloxBatch], c3[kPhiloxBatch];
-  for (int64_t l = 0; l < kPhiloxBatch; ++l) {
-    uint32_t c[4];
-    philox::counter_words(offset, counters[l], c);
-    c0[l] = c[0];
-    c1[l] = c[1];
-    c2[l] = c[2];
-    c3[l] = c[3];
-  }
-  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-  for (int round = 0; round < 10; ++round) {
-    for (int64_t l = 0; l < kPhiloxBatch; ++l) {
-      const uint64_t p0 = static_cast<uint64_t>(0xD2511F53u) * c0[l];
-      const uint64_t p1 = static_cast<uint64_t>(0xCD9E8D57u) * c2[l];
-      const uint32_t n0 = static_cast<uint32_t>(p1 >> 32) ^ c1[l] ^ k0;
-      const uint32_t n2 = static_cast<uint32_t>(p0 >> 32) ^ c3[l] ^ k1;
-      c1[l] = static_cast<uint32_t>(p1);
-      c3[l] = static_cast<uint32_t>(p0);
-      c0[l] = n0;
-      c2[l] = n2;
-    }
-    k0 += 0x9E3779B9u;
-    k1 += 0xBB67AE85u;
-  }
-  for (int64_t l = 0; l < kPhiloxBatch; ++l) {
-    words[l * 4 + 0] = c0[l];
-    words[l * 4 + 1] = c1[l];
-    words[l * 4 + 2] = c2[l];
-    words[l * 4 + 3] = c3[l];
-  }
-}
 
 #if defined(__AVX2__)
 // Low and high halves of the 32 x 32 -> 64-bit products of each lane of a with k.
@@ -112,11 +79,10 @@ inline void philox_blocks16(uint64_t seed, uint64_t offset, uint64_t first_block
     return;
   }
 #endif
-  uint64_t counters[kPhiloxBatch];
   for (int64_t l = 0; l < kPhiloxBatch; ++l) {
-    counters[l] = first_block + static_cast<uint64_t>(l);
+    const philox::Block block = philox::random4(seed, offset, first_block + static_cast<uint64_t>(l));
+    std::copy(block.word, block.word + 4, words + l * 4);
   }
-  philox_blocks16_scalar(seed, offset, counters, words);
 }
 
 }  // namespace CPU_CAPABILITY
