@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <mutex>
 
 #include "ops/attention_ops.h"
@@ -28,6 +29,20 @@ at::Tensor kernel_operand(const at::Tensor& x, at::ScalarType acc) {
     y = y.contiguous();
   }
   return y;
+}
+
+// Keys per block of the blocked kernels: sized to this CPU's L2 cache, or FASTMHA_CPU_KEY_BLOCK (a positive
+// count, for tuning and for tests that cross many block edges with short sequences).
+int64_t key_block_size(int64_t d_k, int64_t d_v, int64_t element_bytes) {
+  const char* requested = std::getenv("FASTMHA_CPU_KEY_BLOCK");
+  if (requested != nullptr && *requested != '\0') {
+    char* end = nullptr;
+    const long long keys = std::strtoll(requested, &end, 10);
+    TORCH_CHECK(end != requested && *end == '\0' && keys > 0,
+                "FASTMHA_CPU_KEY_BLOCK must be a positive number of keys, got '", requested, "'");
+    return keys;
+  }
+  return cpu::key_block(cpu::l2_cache_bytes(), d_k, d_v, element_bytes);
 }
 
 template <typename T>
@@ -54,6 +69,7 @@ cpu::AttentionInputs<T> kernel_inputs(const at::Tensor& q, const at::Tensor& k, 
   in.is_causal = is_causal;
   in.seed = seed;
   in.offset = offset;
+  in.key_block = key_block_size(in.d_k, in.d_v, sizeof(T));
   return in;
 }
 
@@ -140,11 +156,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
   const auto acc = at::toOpMathType(query.scalar_type());
   const int64_t batch = query.size(0), heads = query.size(1), len_q = query.size(2), len_k = key.size(2);
   const int64_t d_k = query.size(3), d_v = value.size(3);
-  const int64_t chunk = std::min<int64_t>(cpu::query_chunk(len_k), std::max<int64_t>(len_q, 1));
-  const int64_t chunks = (len_q + chunk - 1) / chunk;
   const int64_t heads_total = batch * heads;
-  // Enough independent ranges for every thread, even with a single head (each range keeps its own dK/dV).
   const int64_t threads = at::get_num_threads();
+  const bool has_grad_weights = grad_weights.has_value() && grad_weights->defined();
+  // The forward output gives each row's softmax-gradient constant directly when it is exact (not rounded to
+  // a half type) and the weights carry no gradient of their own; the kernel then walks the keys in blocks.
+  const bool use_output = output.scalar_type() == acc && !has_grad_weights && output.numel() > 0;
+  const int64_t chunk = cpu::backward_query_chunk(use_output, len_q, len_k, heads_total, threads);
+  const int64_t chunks = (len_q + chunk - 1) / chunk;
+  // Enough independent ranges for every thread, even with a single head (each range keeps its own dK/dV).
   const int64_t splits = heads_total == 0 ? 1
                                           : std::clamp<int64_t>((2 * threads + heads_total - 1) / heads_total, 1,
                                                                 std::max<int64_t>(chunks, 1));
@@ -154,12 +174,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
   auto grad_v_partial = cpu::empty_large({heads_total, splits, len_k, d_v}, acc_options);
   const auto q = kernel_operand(query, acc), k = kernel_operand(key, acc), v = kernel_operand(value, acc);
   const auto grad_out = grad_output.to(acc).contiguous();
-  const bool has_grad_weights = grad_weights.has_value() && grad_weights->defined();
   const auto grad_w = has_grad_weights ? grad_weights->to(acc).contiguous() : at::Tensor();
   const auto lse = logsumexp.to(acc).contiguous();
-  // The forward output gives each row's softmax-gradient constant directly when it is exact (not rounded to
-  // a half type) and the weights carry no gradient of their own.
-  const bool use_output = output.scalar_type() == acc && !has_grad_weights && output.numel() > 0;
   const auto out = use_output ? output.contiguous() : at::Tensor();
   const auto mask_view = broadcast_mask(mask, query, key);
   const auto state = rng_state.to(at::kCPU).contiguous();

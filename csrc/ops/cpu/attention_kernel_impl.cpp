@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "ops/cpu/attention_params.h"
@@ -68,20 +69,34 @@ void apply_mask(T* s, int64_t n, const bool* mask_row, int64_t col_stride) {
   }
 }
 
-// In place: s <- exp(s - max(s)); returns {max, sum of the exponentials}. The caller normalizes, either the
-// row itself (weights kept) or, cheaper, the row's output after the GEMM.
 template <typename T>
-std::pair<T, T> exp_row(T* s, int64_t n) {
+T row_max(const T* s, int64_t n) {
   using Vec = Vectorized<T>;
-  if (n == 0) {
-    return {-std::numeric_limits<T>::infinity(), T(0)};
+  return at::vec::reduce_all<T>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s, n);
+}
+
+// exp for the softmax. `fast` takes torch's 20-ULP polynomial exp for float (the one its flash kernel uses: a
+// relative error near 1e-6, far below fp32 attention's rounding; exactly 1 at 0 and exactly 0 below about
+// -87, so uniform rows stay uniform and masked keys weigh 0). It does not return NaN for NaN or infinite
+// arguments, so callers ask for it only when the row's max or log-sum-exp is finite.
+template <typename T>
+Vectorized<T> softmax_exp(const Vectorized<T>& x, bool fast) {
+  if constexpr (std::is_same_v<T, float>) {
+    return fast ? x.exp_u20() : x.exp();
+  } else {
+    return x.exp();
   }
-  const T max = at::vec::reduce_all<T>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s, n);
+}
+
+// In place: s <- exp(s - max); returns the sum of the exponentials.
+template <typename T>
+T exp_shifted(T* s, int64_t n, T max, bool fast = false) {
+  using Vec = Vectorized<T>;
   const Vec max_vec(max);
   Vec sum_vec(T(0));
   int64_t j = 0;
   for (; j + Vec::size() <= n; j += Vec::size()) {
-    const Vec e = (Vec::loadu(s + j) - max_vec).exp();
+    const Vec e = softmax_exp(Vec::loadu(s + j) - max_vec, fast);
     e.store(s + j);
     sum_vec = sum_vec + e;
   }
@@ -90,7 +105,18 @@ std::pair<T, T> exp_row(T* s, int64_t n) {
     s[j] = std::exp(s[j] - max);
     sum += s[j];
   }
-  return {max, sum};
+  return sum;
+}
+
+// In place: s <- exp(s - max(s)); returns {max, sum of the exponentials}. The caller normalizes, either the
+// row itself (weights kept) or, cheaper, the row's output after the GEMM.
+template <typename T>
+std::pair<T, T> exp_row(T* s, int64_t n) {
+  if (n == 0) {
+    return {-std::numeric_limits<T>::infinity(), T(0)};
+  }
+  const T max = row_max(s, n);
+  return {max, exp_shifted(s, n, max)};
 }
 
 template <typename T>
@@ -186,17 +212,13 @@ KeySpan visible_span(const AttentionInputs<T>& in, const Head<T>& head, int64_t 
   return {lo, hi, holes};
 }
 
-// Score row r, key j (lo <= j < hi) = scale * q[row0 + r] . k[j] for r < rows, then the masks. Returns
-// false when a row came out masked everywhere while keys were skipped: such a row's softmax is uniform over
-// all Lk keys (the -1e9 rule), so the caller recomputes the chunk over all keys.
+// Score row r, key j (lo <= j < hi) = scale * q[row0 + r] . k[j] for r < rows, then the masks (-1e9).
 template <typename T>
-bool chunk_scores(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows, const KeySpan& span,
-                  T* scores) {
-  using Vec = Vectorized<T>;
+void span_scores(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows, const KeySpan& span,
+                 T* scores) {
   const int64_t ld = packed_ld(span), n = span.size();
   gemm<T>(false, true, rows, n, in.d_k, in.scale, head.q + row0 * in.q_stride.row, in.q_stride.row,
           head.k + span.lo * in.k_stride.row, in.k_stride.row, T(0), scores, ld);
-  bool complete = true;
   for (int64_t r = 0; r < rows; ++r) {
     T* s = scores + r * ld;
     if (span.masked) {
@@ -205,12 +227,28 @@ bool chunk_scores(const AttentionInputs<T>& in, const Head<T>& head, int64_t row
     if (in.is_causal) {
       for (int64_t j = std::max(row0 + r + 1, span.lo); j < span.hi; ++j) s[j - span.lo] = T(kMaskedScore);
     }
-    // The skipped keys' weight in the math, exp(-1e9 - max) / sum, must be exactly 0: it is not in a row with
-    // no visible key, with scores near or below -1e9, or with a NaN or infinite score (then it is NaN).
-    if (n < in.len_k && n > 0) {
-      const T max = at::vec::reduce_all<T>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s, n);
-      complete = complete && std::isfinite(max) && std::exp(T(kMaskedScore) - max) == T(0);
-    }
+  }
+}
+
+// The skipped keys' weight in the math, exp(-1e9 - max) / sum, must be exactly 0 for a row whose scores peak
+// at `max`: it is not in a row with no visible key, with scores near or below -1e9, or with a NaN or infinite
+// score (then it is NaN).
+template <typename T>
+bool skipped_keys_weigh_zero(T max) {
+  return std::isfinite(max) && std::exp(T(kMaskedScore) - max) == T(0);
+}
+
+// span_scores, and whether skipping the keys outside the span changes no weight. When it returns false, a row
+// came out masked everywhere (uniform over all Lk keys by the -1e9 rule) or with no score well above -1e9, and
+// the caller recomputes the chunk over all keys.
+template <typename T>
+bool chunk_scores(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows, const KeySpan& span,
+                  T* scores) {
+  span_scores(in, head, row0, rows, span, scores);
+  const int64_t ld = packed_ld(span), n = span.size();
+  bool complete = true;
+  if (n < in.len_k && n > 0) {
+    for (int64_t r = 0; r < rows; ++r) complete = complete && skipped_keys_weigh_zero(row_max(scores + r * ld, n));
   }
   return complete;
 }
@@ -262,25 +300,121 @@ class NonFiniteKeys {
   int64_t head_index_ = -1, first_ = 0, last_ = -1;
 };
 
+// The keys a chunk computes: its visible span, or all keys when asked or when a skipped key holds a NaN or an
+// infinity (a weight or score gradient of exactly 0 there keeps it: 0 * inf is NaN).
+template <typename T>
+KeySpan chunk_span(const AttentionInputs<T>& in, const Head<T>& head, int64_t head_index, int64_t row0, int64_t rows,
+                   NonFiniteKeys<T>& non_finite, bool all_keys) {
+  const KeySpan all{0, in.len_k, head.mask != nullptr};
+  const KeySpan span = all_keys ? all : visible_span(in, head, row0, rows);
+  return span.size() < in.len_k && non_finite.outside(in, head, head_index, span) ? all : span;
+}
+
 template <typename T>
 KeySpan scores_for_chunk(const AttentionInputs<T>& in, const Head<T>& head, int64_t head_index, int64_t row0,
                          int64_t rows, T* scores, NonFiniteKeys<T>& non_finite, bool all_keys = false) {
-  const KeySpan all{0, in.len_k, head.mask != nullptr};
-  KeySpan span = all_keys ? all : visible_span(in, head, row0, rows);
-  // A skipped key would have met a weight or a score gradient of exactly 0, which keeps a NaN or an infinity
-  // there (0 * inf is NaN): then the chunk takes all keys, so the result stays that of the math.
-  if (span.size() < in.len_k && non_finite.outside(in, head, head_index, span)) {
-    span = all;
-  }
+  const KeySpan span = chunk_span(in, head, head_index, row0, rows, non_finite, all_keys);
   if (chunk_scores(in, head, row0, rows, span, scores)) {
     return span;
   }
+  const KeySpan all{0, in.len_k, head.mask != nullptr};
   chunk_scores(in, head, row0, rows, all, scores);
   return all;
 }
 
+// Per-task buffers of the online-softmax forward: one key block of scores (and dropout multipliers) per row.
+template <typename T>
+struct OnlineBuffers {
+  std::vector<T> scores, keep, max, sum;
+  std::vector<uint32_t> words;
+};
+
+// The output rows of a chunk over its key span, without kept weights: the span is walked in blocks of
+// in.key_block keys with an online softmax. Each block's scores are exponentiated against the running row max,
+// and the output accumulated so far is rescaled whenever that max grows, so only rows x key_block scores exist
+// at a time and they stay in cache at any Lk. Returns false when keys were skipped and a row's final max leaves
+// them a weight other than exactly 0 (see skipped_keys_weigh_zero): the caller redoes the chunk over all keys.
+template <typename T>
+bool online_chunk(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows, int64_t first_row,
+                  const KeySpan& span, OnlineBuffers<T>& buf, T* out_rows, T* lse) {
+  constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+  std::fill(buf.max.begin(), buf.max.begin() + rows, kNegInf);
+  std::fill(buf.sum.begin(), buf.sum.begin() + rows, T(0));
+  if (span.size() == 0) {  // no key at all (Lk = 0): zero outputs
+    std::fill(out_rows, out_rows + rows * in.d_v, T(0));
+  }
+  for (int64_t lo = span.lo; lo < span.hi; lo += in.key_block) {
+    const KeySpan block{lo, std::min(lo + in.key_block, span.hi), span.masked};
+    const int64_t n = block.size();
+    const bool first_block = lo == span.lo;
+    span_scores(in, head, row0, rows, block, buf.scores.data());
+    if (in.dropout_p > 0) {
+      fill_chunk_keep(in, first_row, rows, block, buf.words, buf.keep.data());
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      T* s = buf.scores.data() + r * n;
+      const T block_max = row_max(s, n), old = buf.max[r];
+      const T now = std::isnan(block_max) || block_max > old ? block_max : old;  // a NaN stays
+      if (now == kNegInf) {  // every score so far is -inf: no weight yet
+        std::fill(s, s + n, T(0));
+        continue;
+      }
+      const T rescale = std::exp(old - now);  // 0 for the first finite block
+      buf.sum[r] = buf.sum[r] * rescale + exp_shifted(s, n, now, std::isfinite(now));
+      buf.max[r] = now;
+      if (!first_block && rescale != T(1)) {
+        scale_row(out_rows + r * in.d_v, in.d_v, rescale);
+      }
+      if (in.dropout_p > 0) {
+        at::vec::map2([](Vectorized<T> a, Vectorized<T> b) { return a * b; }, s, s, buf.keep.data() + r * n, n);
+      }
+    }
+    gemm<T>(false, false, rows, in.d_v, n, T(1), buf.scores.data(), n, head.v + lo * in.v_stride.row, in.v_stride.row,
+            first_block ? T(0) : T(1), out_rows, in.d_v);
+  }
+  bool complete = true;
+  for (int64_t r = 0; r < rows; ++r) {
+    lse[r] = buf.max[r] + std::log(buf.sum[r]);
+    if (span.size() > 0) {
+      scale_row(out_rows + r * in.d_v, in.d_v, T(1) / buf.sum[r]);
+    }
+    complete = complete && (span.size() == in.len_k || skipped_keys_weigh_zero(buf.max[r]));
+  }
+  return complete;
+}
+
+template <typename T>
+void online_forward(const AttentionInputs<T>& in, const AttentionForwardOutputs<T>& out) {
+  const int64_t chunk = online_query_chunk(in.len_q, in.batch * in.heads, at::get_num_threads());
+  const int64_t chunks = (in.len_q + chunk - 1) / chunk;
+  const int64_t block = std::min(in.key_block, std::max<int64_t>(in.len_k, 1));
+  at::parallel_for(0, in.batch * in.heads * chunks, 1, [&](int64_t begin, int64_t end) {
+    OnlineBuffers<T> buf;
+    buf.scores.resize(chunk * block);
+    buf.keep.resize(in.dropout_p > 0 ? chunk * block : 0);
+    buf.max.resize(chunk);
+    buf.sum.resize(chunk);
+    NonFiniteKeys<T> non_finite;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / chunks, row0 = (task % chunks) * chunk;
+      const int64_t rows = std::min(chunk, in.len_q - row0);
+      const Head<T> head = head_pointers(in, bh);
+      const int64_t first_row = bh * in.len_q + row0;  // row index in (B*H*Lq)
+      T* const out_rows = out.out + first_row * in.d_v;
+      const KeySpan span = chunk_span(in, head, bh, row0, rows, non_finite, false);
+      if (!online_chunk(in, head, row0, rows, first_row, span, buf, out_rows, out.lse + first_row)) {
+        online_chunk(in, head, row0, rows, first_row, KeySpan{0, in.len_k, head.mask != nullptr}, buf, out_rows,
+                     out.lse + first_row);
+      }
+    }
+  });
+}
+
 template <typename T>
 void forward_impl(const AttentionInputs<T>& in, const AttentionForwardOutputs<T>& out) {
+  if (out.weights == nullptr) {
+    return online_forward(in, out);
+  }
   const int64_t chunk = std::min<int64_t>(query_chunk(in.len_k), std::max<int64_t>(in.len_q, 1));
   const int64_t chunks = (in.len_q + chunk - 1) / chunk;
   const int64_t tasks = in.batch * in.heads * chunks;
@@ -368,8 +502,8 @@ void fused_backward_row(const AttentionInputs<T>& in, const AttentionBackwardTen
   const T lse = g.lse[row];
   const Vec lse_vec(lse), d_vec(d);
   const bool dropout = keep != nullptr;
-  if (masked_everywhere(lse)) {  // uniform P; and dS is zero where the scores were overwritten
-    const T prob = T(1) / T(width);
+  if (masked_everywhere(lse)) {         // uniform P; and dS is zero where the scores were overwritten
+    const T prob = T(1) / T(in.len_k);  // such a row's span is all keys
     for (int64_t j = 0; j < width; ++j) {
       const T k = dropout ? keep[j] : T(1);
       p[j] = prob * k;
@@ -378,9 +512,10 @@ void fused_backward_row(const AttentionInputs<T>& in, const AttentionBackwardTen
     zero_masked(in, head, query, span, dw);
     return;
   }
+  const bool fast = std::isfinite(lse);
   int64_t j = 0;
   for (; j + Vec::size() <= width; j += Vec::size()) {
-    const Vec prob = (Vec::loadu(p + j) - lse_vec).exp();
+    const Vec prob = softmax_exp(Vec::loadu(p + j) - lse_vec, fast);
     Vec dp = Vec::loadu(dw + j);
     if (dropout) {
       const Vec k = Vec::loadu(keep + j);
@@ -404,28 +539,120 @@ void fused_backward_row(const AttentionInputs<T>& in, const AttentionBackwardTen
   }
 }
 
+// One backward task: a range of one head's query chunks, with its own partial dK and dV, zeroed here (the
+// caller sums the splits).
+template <typename T>
+struct SplitTask {
+  int64_t bh, chunk_begin, chunk_end;
+  Head<T> head;
+  T* grad_k;
+  T* grad_v;
+};
+
+template <typename T>
+SplitTask<T> split_task(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, int64_t task,
+                        int64_t chunks) {
+  const int64_t bh = task / g.splits, split = task % g.splits;
+  T* grad_k = g.grad_k_partial + (bh * g.splits + split) * in.len_k * in.d_k;
+  T* grad_v = g.grad_v_partial + (bh * g.splits + split) * in.len_k * in.d_v;
+  std::fill(grad_k, grad_k + in.len_k * in.d_k, T(0));
+  std::fill(grad_v, grad_v + in.len_k * in.d_v, T(0));
+  return {bh, split * chunks / g.splits, (split + 1) * chunks / g.splits, head_pointers(in, bh), grad_k, grad_v};
+}
+
+// Per-task state of the backward: score and score-gradient rows (chunk x width), dropout multipliers, and
+// the scans of a head's keys.
+template <typename T>
+struct BackwardBuffers {
+  std::vector<T> probs, grad_w, keep;
+  NonFiniteKeys<T> non_finite;
+  std::vector<uint32_t> words;
+};
+
+// Runs body(task, row0, rows, buffers) for every query chunk of `chunk` rows, the split tasks in parallel.
+template <typename T, typename Body>
+void for_each_backward_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, int64_t chunk,
+                             int64_t width, const Body& body) {
+  const int64_t chunks = (in.len_q + chunk - 1) / chunk;
+  at::parallel_for(0, in.batch * in.heads * g.splits, 1, [&](int64_t begin, int64_t end) {
+    BackwardBuffers<T> buf;
+    buf.probs.resize(chunk * width);
+    buf.grad_w.resize(chunk * width);
+    buf.keep.resize(in.dropout_p > 0 ? chunk * width : 0);
+    for (int64_t t = begin; t < end; ++t) {
+      const SplitTask<T> task = split_task(in, g, t, chunks);
+      for (int64_t c = task.chunk_begin; c < task.chunk_end; ++c) {
+        body(task, c * chunk, std::min(chunk, in.len_q - c * chunk), buf);
+      }
+    }
+  });
+}
+
+// The backward when the weights carry no gradient and the forward output is at hand (fused_backward_row needs
+// no row reduction): each chunk walks its key span in blocks of in.key_block keys, so only rows x key_block
+// scores and score gradients exist at a time. Keys outside the span are skipped when their weight in the math,
+// exp(-1e9 - lse), is exactly 0 in every row of the chunk (then so is their score gradient).
+template <typename T>
+void blocked_backward(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g) {
+  const int64_t chunk = backward_query_chunk(true, in.len_q, in.len_k, in.batch * in.heads, at::get_num_threads());
+  const int64_t block = std::min(in.key_block, std::max<int64_t>(in.len_k, 1));
+  for_each_backward_chunk(
+      in, g, chunk, block, [&](const SplitTask<T>& task, int64_t row0, int64_t rows, BackwardBuffers<T>& buf) {
+        const auto& [bh, chunk_begin, chunk_end, head, grad_k, grad_v] = task;
+        auto& [probs, grad_w, keep, non_finite, words] = buf;
+        const int64_t first_row = bh * in.len_q + row0;
+        const T* grad_out = g.grad_out + first_row * in.d_v;
+        const T* q_rows = head.q + row0 * in.q_stride.row;
+        T* grad_q = g.grad_q + first_row * in.d_k;
+        // dV and dK of a skipped key are zero weights (score gradients) times dO (Q) rows: a NaN or an infinity
+        // there makes them NaN in the math.
+        const bool rows_finite =
+            finite_rows(grad_out, in.d_v, 0, rows, in.d_v) && finite_rows(q_rows, in.q_stride.row, 0, rows, in.d_k);
+        KeySpan span = chunk_span(in, head, bh, row0, rows, non_finite, !rows_finite);
+        for (int64_t r = 0; r < rows && span.size() < in.len_k; ++r) {
+          if (!skipped_keys_weigh_zero(g.lse[first_row + r])) span = KeySpan{0, in.len_k, head.mask != nullptr};
+        }
+        if (span.size() == 0) {
+          std::fill(grad_q, grad_q + rows * in.d_k, T(0));
+        }
+        for (int64_t lo = span.lo; lo < span.hi; lo += in.key_block) {
+          const KeySpan part{lo, std::min(lo + in.key_block, span.hi), span.masked};
+          const int64_t n = part.size();
+          const T* v_part = head.v + lo * in.v_stride.row;
+          const T* k_part = head.k + lo * in.k_stride.row;
+          span_scores(in, head, row0, rows, part, probs.data());
+          gemm<T>(false, true, rows, n, in.d_v, T(1), grad_out, in.d_v, v_part, in.v_stride.row, T(0), grad_w.data(),
+                  n);
+          if (in.dropout_p > 0) {
+            fill_chunk_keep(in, first_row, rows, part, words, keep.data());
+          }
+          for (int64_t r = 0; r < rows; ++r) {
+            fused_backward_row(in, g, first_row + r, row0 + r, part, head, probs.data() + r * n, grad_w.data() + r * n,
+                               in.dropout_p > 0 ? keep.data() + r * n : nullptr);
+          }
+          // dV += W^T dO ; dQ (+)= scale * dS K ; dK += scale * dS^T Q (over this block's keys)
+          gemm<T>(true, false, n, in.d_v, rows, T(1), probs.data(), n, grad_out, in.d_v, T(1), grad_v + lo * in.d_v,
+                  in.d_v);
+          gemm<T>(false, false, rows, in.d_k, n, in.scale, grad_w.data(), n, k_part, in.k_stride.row,
+                  lo == span.lo ? T(0) : T(1), grad_q, in.d_k);
+          gemm<T>(true, false, n, in.d_k, rows, in.scale, grad_w.data(), n, q_rows, in.q_stride.row, T(1),
+                  grad_k + lo * in.d_k, in.d_k);
+        }
+      });
+}
+
 template <typename T>
 void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g) {
+  if (g.out != nullptr && g.grad_weights == nullptr) {
+    return blocked_backward(in, g);
+  }
   using Vec = Vectorized<T>;
-  const int64_t chunk = std::min<int64_t>(query_chunk(in.len_k), std::max<int64_t>(in.len_q, 1));
-  const int64_t chunks = (in.len_q + chunk - 1) / chunk;
-  const int64_t splits = g.splits;
-  const int64_t tasks = in.batch * in.heads * splits;
+  const int64_t chunk = backward_query_chunk(false, in.len_q, in.len_k, in.batch * in.heads, at::get_num_threads());
   const int64_t ld = in.len_k;
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> probs(chunk * ld), grad_w(chunk * ld), keep(in.dropout_p > 0 ? chunk * ld : 0);
-    NonFiniteKeys<T> non_finite;
-    std::vector<uint32_t> words;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t bh = task / splits, split = task % splits;
-      const Head<T> head = head_pointers(in, bh);
-      T* grad_k = g.grad_k_partial + (bh * splits + split) * ld * in.d_k;
-      T* grad_v = g.grad_v_partial + (bh * splits + split) * ld * in.d_v;
-      std::fill(grad_k, grad_k + ld * in.d_k, T(0));
-      std::fill(grad_v, grad_v + ld * in.d_v, T(0));
-      const int64_t chunk_begin = split * chunks / splits, chunk_end = (split + 1) * chunks / splits;
-      for (int64_t c = chunk_begin; c < chunk_end; ++c) {
-        const int64_t row0 = c * chunk, rows = std::min(chunk, in.len_q - row0);
+  for_each_backward_chunk(
+      in, g, chunk, ld, [&](const SplitTask<T>& task, int64_t row0, int64_t rows, BackwardBuffers<T>& buf) {
+        const auto& [bh, chunk_begin, chunk_end, head, grad_k, grad_v] = task;
+        auto& [probs, grad_w, keep, non_finite, words] = buf;
         const int64_t first_row = bh * in.len_q + row0;
         const T* grad_out = g.grad_out + first_row * in.d_v;
         // P = exp(S - lse), recomputed; dW = dO V^T (+ the gradient of the returned weights)
@@ -481,9 +708,7 @@ void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<
                 g.grad_q + first_row * in.d_k, in.d_k);
         gemm<T>(true, false, width, in.d_k, rows, in.scale, grad_w.data(), ld_span, head.q + row0 * in.q_stride.row,
                 in.q_stride.row, T(1), grad_k + span.lo * in.d_k, in.d_k);
-      }
-    }
-  });
+      });
 }
 
 }  // namespace

@@ -3,6 +3,10 @@
 #include <cstdlib>
 #include <cstring>
 
+#ifdef __unix__
+#include <unistd.h>
+#endif
+
 namespace fastmha::cpu {
 namespace {
 
@@ -46,6 +50,18 @@ bool native_bfloat16_products() {
   return native;
 #else
   return false;
+#endif
+}
+
+int64_t l2_cache_bytes() {
+#ifdef _SC_LEVEL2_CACHE_SIZE
+  static const int64_t bytes = [] {
+    const long reported = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return reported > 0 ? int64_t{reported} : int64_t{1} << 20;
+  }();
+  return bytes;
+#else
+  return int64_t{1} << 20;
 #endif
 }
 

@@ -2,6 +2,7 @@
 // ATEN_CPU_CAPABILITY (default, avx2, avx512), the variable torch itself honours.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace fastmha::cpu {
@@ -14,6 +15,8 @@ std::string capability_name();
 // Whether the processor multiplies bfloat16 / float16 natively (AVX512-BF16 or AMX-BF16; AVX512-FP16), which
 // torch's CPU kernels use and fastmha's (which widen half types to fp32) do not.
 bool native_bfloat16_products();
+// The L2 cache of one core in bytes, as the C library reports it (1 MiB when it reports nothing).
+int64_t l2_cache_bytes();
 bool native_float16_products();
 
 }  // namespace fastmha::cpu
