@@ -56,13 +56,12 @@ KernelChoice choose_cpu(const AttentionCall& call) {
     return {K::kStockCpu, "FASTMHA_CPU_KERNELS=stock"};
   }
   // Measured with benchmarks/bench_kernel_choice.py (all kernels interleaved in one run; the results are in
-  // benchmarks/results/). Forward: torch's flash kernel is as fast or faster from 128 to
-  // 4096 keys in float32 and bfloat16 (float16 is widened like bfloat16 in fastmha's kernel): it blocks the
-  // keys with an online softmax, while fastmha's kernel keeps whole score rows of a query chunk in cache.
-  // Backward: fastmha's kernel is as fast or faster in float32/float64 up to 2048 keys (past that its score
-  // rows outgrow the cache), and in half types unless the processor multiplies them natively (torch's
-  // backward then runs on those instructions; without them it is several times slower than ours).
-  // A padding mask turns the forward around: fastmha's kernel computes only the keys between the first and
+  // benchmarks/results/). Without a mask, fastmha's float32 kernels (keys in cache-sized blocks, an online
+  // softmax in the forward) and torch's flash kernel are about even from 128 to 8192 keys, within this
+  // machine's noise; the forward then stays with torch's, and the backward with fastmha's up to 2048 keys, where
+  // it measured faster. In half types fastmha's backward wins unless the processor multiplies them natively
+  // (torch's backward then runs on those instructions; without them it is several times slower than ours).
+  // A padding mask turns the choice around: fastmha's kernel computes only the keys between the first and
   // the last visible one, torch's computes all (3.7x faster or more with 10-25% of the keys visible, float32).
   const auto dtype = call.query.scalar_type();
   const bool half = dtype == at::kBFloat16 || dtype == at::kHalf;
@@ -70,11 +69,9 @@ KernelChoice choose_cpu(const AttentionCall& call) {
                            (dtype == at::kHalf && cpu::native_float16_products());
   const double span = call.mask.has_value() ? cpu::visible_key_fraction(*call.mask, call.key.size(2)) : 1.0;
   // The largest share of the keys at which skipping the rest pays off: fastmha's kernel against torch's as
-  // measured without a mask (about even in float32 up to 4096 computed keys, 0.6x at 8192; 0.7x in half
-  // types widened to fp32; 0.2-0.4x where torch multiplies half types natively).
-  constexpr int64_t kOwnForwardEvenKeys = 4096;
-  const bool long_rows = span * static_cast<double>(call.key.size(2)) > kOwnForwardEvenKeys;
-  const double own_pays_below = native_half ? 0.2 : (half || long_rows) ? 0.5 : 0.75;
+  // measured without a mask (about even in float32 at any length; 0.7x in half types widened to fp32; 0.2-0.4x
+  // where torch multiplies half types natively).
+  const double own_pays_below = native_half ? 0.2 : half ? 0.5 : 0.75;
   const std::string skipped = "a mask that leaves " + std::to_string(static_cast<int>(span * 100 + 0.5)) +
                               "% of the keys to compute: fastmha's kernel skips the rest";
   if (call.pass == Pass::kForward) {
@@ -91,7 +88,7 @@ KernelChoice choose_cpu(const AttentionCall& call) {
   }
   constexpr int64_t kOwnBackwardLongestKeys = 2048;
   if (!half && span * static_cast<double>(call.key.size(2)) > kOwnBackwardLongestKeys) {
-    return {K::kStockCpu, "backward with more than 2048 keys: torch's key-blocked CPU flash backward stays in cache"};
+    return {K::kStockCpu, "backward with more than 2048 keys: torch's CPU flash backward is as fast there"};
   }
   return {K::kOwnCpu, "backward without native half-type products: fastmha's kernel is as fast or faster"};
 }

@@ -31,9 +31,9 @@ at::Tensor kernel_operand(const at::Tensor& x, at::ScalarType acc) {
   return y;
 }
 
-// Keys per block of the blocked kernels: sized to this CPU's L2 cache, or FASTMHA_CPU_KEY_BLOCK (a positive
-// count, for tuning and for tests that cross many block edges with short sequences).
-int64_t key_block_size(int64_t d_k, int64_t d_v, int64_t element_bytes) {
+// Keys per block of the blocked kernels: sized to this CPU's L2 cache for the pass, or FASTMHA_CPU_KEY_BLOCK (a
+// positive count, for tuning and for tests that cross many block edges with short sequences).
+int64_t key_block_size(Pass pass, int64_t len_q, int64_t heads_total, int64_t d_k, int64_t d_v, int64_t element_bytes) {
   const char* requested = std::getenv("FASTMHA_CPU_KEY_BLOCK");
   if (requested != nullptr && *requested != '\0') {
     char* end = nullptr;
@@ -42,13 +42,17 @@ int64_t key_block_size(int64_t d_k, int64_t d_v, int64_t element_bytes) {
                 "FASTMHA_CPU_KEY_BLOCK must be a positive number of keys, got '", requested, "'");
     return keys;
   }
-  return cpu::key_block(cpu::l2_cache_bytes(), d_k, d_v, element_bytes);
+  if (pass == Pass::kBackward) {
+    const int64_t rows = cpu::online_query_chunk(len_q, heads_total, at::get_num_threads());
+    return cpu::backward_key_block(cpu::l2_cache_bytes(), rows, element_bytes);
+  }
+  return cpu::forward_key_block(cpu::l2_cache_bytes(), d_k, d_v, element_bytes);
 }
 
 template <typename T>
 cpu::AttentionInputs<T> kernel_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       const at::Tensor& mask, double dropout_p, bool is_causal, uint64_t seed,
-                                      uint64_t offset) {
+                                      uint64_t offset, Pass pass) {
   auto strides = [](const at::Tensor& t) { return cpu::Strides3{t.stride(0), t.stride(1), t.stride(2)}; };
   cpu::AttentionInputs<T> in{};
   in.q = q.const_data_ptr<T>();
@@ -69,7 +73,7 @@ cpu::AttentionInputs<T> kernel_inputs(const at::Tensor& q, const at::Tensor& k, 
   in.is_causal = is_causal;
   in.seed = seed;
   in.offset = offset;
-  in.key_block = key_block_size(in.d_k, in.d_v, sizeof(T));
+  in.key_block = key_block_size(pass, in.len_q, in.batch * in.heads, in.d_k, in.d_v, sizeof(T));
   return in;
 }
 
@@ -136,7 +140,8 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
   const auto mask_view = broadcast_mask(mask, query, key);
   const auto* state = rng_state.const_data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES(acc, "fastmha_cpu_attention_forward", [&] {
-    const auto in = kernel_inputs<scalar_t>(q, k, v, mask_view, dropout_p, is_causal, state[0], state[1]);
+    const auto in =
+        kernel_inputs<scalar_t>(q, k, v, mask_view, dropout_p, is_causal, state[0], state[1], Pass::kForward);
     const cpu::AttentionForwardOutputs<scalar_t> out{output.data_ptr<scalar_t>(),
                                                      need_weights ? weights.data_ptr<scalar_t>() : nullptr,
                                                      logsumexp.data_ptr<scalar_t>()};
@@ -181,7 +186,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
   const auto state = rng_state.to(at::kCPU).contiguous();
   const auto* seed_offset = state.const_data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES(acc, "fastmha_cpu_attention_backward", [&] {
-    const auto in = kernel_inputs<scalar_t>(q, k, v, mask_view, dropout_p, is_causal, seed_offset[0], seed_offset[1]);
+    const auto in = kernel_inputs<scalar_t>(q, k, v, mask_view, dropout_p, is_causal, seed_offset[0], seed_offset[1],
+                                            Pass::kBackward);
     const cpu::AttentionBackwardTensors<scalar_t> grads{
         grad_out.const_data_ptr<scalar_t>(), has_grad_weights ? grad_w.const_data_ptr<scalar_t>() : nullptr,
         lse.const_data_ptr<scalar_t>(),      use_output ? out.const_data_ptr<scalar_t>() : nullptr,
