@@ -55,6 +55,17 @@ def test_forward_without_weights_runs_torchs_flash_kernel():
         assert choices(q, k, v, need_weights=False)["forward"][0] == "torch-cpu-flash"
 
 
+@pytest.mark.parametrize("lk", [100, 8192])
+def test_float32_forward_skips_padding_up_to_three_quarters_of_the_keys_at_any_length(lk):
+    q, k, v = qkv(b=1, h=1, lq=4, lk=lk, dtype=torch.float32)
+    for share, expected in ((0.7, "fastmha-cpu"), (0.8, "torch-cpu-flash")):
+        mask = (torch.arange(lk) < int(share * lk)).reshape(1, 1, 1, lk)
+        kernel, reason = choices(q, k, v, mask, need_weights=False)["forward"]
+        assert kernel == expected, (share, reason)
+        if expected == "fastmha-cpu":
+            assert reason.startswith(f"a mask that leaves {round(share * 100)}% of the keys")
+
+
 def test_backward_kernel_depends_on_native_half_products():
     flags = cpu_flags()
     native = {torch.bfloat16: bool({"avx512_bf16", "amx_bf16"} & flags), torch.float16: "avx512_fp16" in flags,
