@@ -164,9 +164,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
   const int64_t heads_total = batch * heads;
   const int64_t threads = at::get_num_threads();
   const bool has_grad_weights = grad_weights.has_value() && grad_weights->defined();
-  // The forward output gives each row's softmax-gradient constant directly when it is exact (not rounded to
-  // a half type) and the weights carry no gradient of their own; the kernel then walks the keys in blocks.
-  const bool use_output = output.scalar_type() == acc && !has_grad_weights && output.numel() > 0;
+  // The forward output gives each row's softmax-gradient constant D = dO . O directly when the weights carry
+  // no gradient of their own; the kernel then walks the keys in blocks. In half types that output was rounded
+  // to the half type, as FlashAttention's and torch's flash backward also use it (D then carries that
+  // rounding, within half-type tolerance).
+  const bool use_output = !has_grad_weights && output.numel() > 0;
   const int64_t chunk = cpu::backward_query_chunk(use_output, len_q, len_k, heads_total, threads);
   const int64_t chunks = (len_q + chunk - 1) / chunk;
   // Enough independent ranges for every thread, even with a single head (each range keeps its own dK/dV).
@@ -181,7 +183,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
   const auto grad_out = grad_output.to(acc).contiguous();
   const auto grad_w = has_grad_weights ? grad_weights->to(acc).contiguous() : at::Tensor();
   const auto lse = logsumexp.to(acc).contiguous();
-  const auto out = use_output ? output.contiguous() : at::Tensor();
+  const auto out = use_output ? output.to(acc).contiguous() : at::Tensor();
   const auto mask_view = broadcast_mask(mask, query, key);
   const auto state = rng_state.to(at::kCPU).contiguous();
   const auto* seed_offset = state.const_data_ptr<int64_t>();
