@@ -7,6 +7,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cctype>
+#include <cerrno>
 #include <cstdlib>
 #include <mutex>
 
@@ -37,8 +39,9 @@ int64_t key_block_size(Pass pass, int64_t len_q, int64_t heads_total, int64_t d_
   const char* requested = std::getenv("FASTMHA_CPU_KEY_BLOCK");
   if (requested != nullptr && *requested != '\0') {
     char* end = nullptr;
+    errno = 0;
     const long long keys = std::strtoll(requested, &end, 10);
-    TORCH_CHECK(end != requested && *end == '\0' && keys > 0,
+    TORCH_CHECK(std::isdigit(static_cast<unsigned char>(requested[0])) && *end == '\0' && errno == 0 && keys > 0,
                 "FASTMHA_CPU_KEY_BLOCK must be a positive number of keys, got '", requested, "'");
     return keys;
   }
@@ -73,7 +76,9 @@ cpu::AttentionInputs<T> kernel_inputs(const at::Tensor& q, const at::Tensor& k, 
   in.is_causal = is_causal;
   in.seed = seed;
   in.offset = offset;
-  in.key_block = key_block_size(pass, in.len_q, in.batch * in.heads, in.d_k, in.d_v, sizeof(T));
+  // No block needs more keys than there are (the kernels' buffers and spans are sized by it).
+  in.key_block = std::min<int64_t>(key_block_size(pass, in.len_q, in.batch * in.heads, in.d_k, in.d_v, sizeof(T)),
+                                   std::max<int64_t>(in.len_k, 1));
   return in;
 }
 
@@ -167,8 +172,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
   // The forward output gives each row's softmax-gradient constant D = dO . O directly when the weights carry
   // no gradient of their own; the kernel then walks the keys in blocks. In half types that output was rounded
   // to the half type, as FlashAttention's and torch's flash backward also use it (D then carries that
-  // rounding, within half-type tolerance).
-  const bool use_output = !has_grad_weights && output.numel() > 0;
+  // rounding, within half-type tolerance); unless it overflowed there (float16 with dropout), where the math's
+  // gradient stays finite: then D comes from the rows' own sums.
+  const bool use_output = !has_grad_weights && output.numel() > 0 &&
+                          (output.scalar_type() == acc || at::isfinite(output).all().item<bool>());
   const int64_t chunk = cpu::backward_query_chunk(use_output, len_q, len_k, heads_total, threads);
   const int64_t chunks = (len_q + chunk - 1) / chunk;
   // Enough independent ranges for every thread, even with a single head (each range keeps its own dK/dV).

@@ -468,7 +468,7 @@ void forward_impl(const AttentionInputs<T>& in, const AttentionForwardOutputs<T>
 // so the backward recognizes the row instead (real scores never come near -5e8).
 template <typename T>
 bool masked_everywhere(T lse) {
-  return lse < T(kMaskedScore / 2);
+  return std::isfinite(lse) && lse < T(kMaskedScore / 2);  // -inf: every score -inf, NaN weights in the math
 }
 
 // Zeroes dS where the scores were overwritten (mask == 0, or above the diagonal when causal); ds holds the
@@ -673,10 +673,6 @@ void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<
           T* p = probs.data() + r * ld_span;
           T* dw = grad_w.data() + r * ld_span;
           const T* keep_row = in.dropout_p > 0 ? keep.data() + r * width : nullptr;
-          if (g.out != nullptr && g.grad_weights == nullptr) {
-            fused_backward_row(in, g, first_row + r, row0 + r, span, head, p, dw, keep_row);
-            continue;
-          }
           const Vec lse(g.lse[first_row + r]);
           if (masked_everywhere(g.lse[first_row + r])) {
             std::fill(p, p + width, T(1) / T(width));

@@ -40,7 +40,7 @@ struct AttentionBackwardTensors {
   const T* grad_out;      // (B, H, Lq, d_v) contiguous
   const T* grad_weights;  // (B, H, Lq, Lk) contiguous, or nullptr
   const T* lse;           // (B, H, Lq)
-  const T* out;           // (B, H, Lq, d_v) forward output in T, or nullptr (then softmax' row sums are used)
+  const T* out;           // (B, H, Lq, d_v) forward output widened to T, or nullptr (then row sums are used)
   T* grad_q;              // (B, H, Lq, d_k) contiguous
   T* grad_k_partial;      // (B * H, splits, Lk, d_k): per-split partial sums, reduced by the caller
   T* grad_v_partial;      // (B * H, splits, Lk, d_v)
