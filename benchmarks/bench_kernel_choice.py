@@ -11,6 +11,9 @@ Inputs are (B, 8, L, d) with d = --head-dim (64), dropout 0, need_weights=False,
   none            no mask
   padding         (B, 1, 1, L) int64, each sequence keeps its first 10-25% of the keys (a padded batch)
   padding+causal  (B, 1, L, L) int64, the same padding and the causal triangle (a padded decoder batch)
+  causal          (L, L) bool, the causal triangle given as a mask (is_causal not set)
+  window          (L, L) bool, a sliding window of 128 keys on each side plus 16 global keys seen by all
+  documents       (L, L) bool, block diagonal: sequences of 256 tokens packed into one row
 Medians over --repeats rounds; ratios are sdpa time / kernel time (> 1: faster than SDPA). Results are stamped
 with the CPU model and ISA.
 
@@ -39,12 +42,19 @@ KERNELS = ["own", "stock", "auto", "sdpa"]
 SIZES = [(16, 128), (4, 512), (2, 1024), (1, 4096)]  # (batch, length): about the same work each
 QUICK_SIZES = [(2, 64)]
 PADDED_SIZES = [(8, 350), (2, 1024), (1, 4096)]  # 350: the textbook's padded sentence length
-MASKS = ["none", "padding", "padding+causal"]
+MASKS = ["none", "padding", "padding+causal", "causal", "window", "documents"]
 
 
 def make_mask(kind, batch, length):
     if kind == "none":
         return None
+    rows, cols = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    if kind == "causal":
+        return cols <= rows
+    if kind == "window":
+        return ((cols - rows).abs() <= 128) | (cols < 16)
+    if kind == "documents":
+        return rows // 256 == cols // 256
     generator = torch.Generator().manual_seed(batch * length)
     kept = torch.randint(length // 10, length // 4 + 1, (batch,), generator=generator)
     visible = torch.arange(length)[None, :] < kept[:, None]

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "ops/broadcast_mask.h"
 #include "ops/cpu/cpu_capability.h"
 #include "ops/cpu/key_span.h"
 #include "ops/cuda/flash/kernel_common.h"
@@ -61,13 +62,15 @@ KernelChoice choose_cpu(const AttentionCall& call) {
   // machine's noise; the forward then stays with torch's, and the backward with fastmha's up to 2048 keys, where
   // it measured faster. In half types fastmha's backward wins unless the processor multiplies them natively
   // (torch's backward then runs on those instructions; without them it is several times slower than ours).
-  // A padding mask turns the choice around: fastmha's kernel computes only the keys between the first and
-  // the last visible one, torch's computes all (3.7x faster or more with 10-25% of the keys visible, float32).
+  // A mask turns the choice around: fastmha's kernel computes only the runs of keys some query of a chunk sees
+  // (padding, causal or block-sparse masks), torch's computes all (3.7x faster or more with 10-25% of the keys
+  // visible, float32).
   const auto dtype = call.query.scalar_type();
   const bool half = dtype == at::kBFloat16 || dtype == at::kHalf;
   const bool native_half = (dtype == at::kBFloat16 && cpu::native_bfloat16_products()) ||
                            (dtype == at::kHalf && cpu::native_float16_products());
-  const double span = call.mask.has_value() ? cpu::visible_key_fraction(*call.mask, call.key.size(2)) : 1.0;
+  const double span =
+      call.mask.has_value() ? cpu::computed_key_fraction(broadcast_mask(call.mask, call.query, call.key)) : 1.0;
   // The largest share of the keys at which skipping the rest pays off: fastmha's kernel against torch's as
   // measured without a mask (about even in float32 at any length; 0.7x in half types widened to fp32; 0.2-0.4x
   // where torch multiplies half types natively).

@@ -4,7 +4,9 @@
 // Each chunk of queries computes only the span of keys that some row of it can see (KeySpan): keys beyond
 // the last visible one (padding, causality) or before the first are masked for the whole chunk, and a -1e9
 // score next to a visible key scoring well above it has weight exactly 0, so skipping them changes no result.
-// A span with no masked key inside reads no mask at all. Where the math would still feel a skipped key (a
+// A span with no masked key inside reads no mask at all. Inside a span, runs of keys that every row of the chunk
+// hides (block-sparse masks) are skipped as well, and a block that every row sees all of reads no mask; the
+// whole-row kernels give such runs -1e9 without a product. Where the math would still feel a skipped key (a
 // row with no visible key, or none scoring well above -1e9; a NaN or infinity in a score, or one that a zero
 // weight or gradient would multiply) the chunk takes all keys.
 //
@@ -212,21 +214,66 @@ KeySpan visible_span(const AttentionInputs<T>& in, const Head<T>& head, int64_t 
   return {lo, hi, holes};
 }
 
-// Score row r, key j (lo <= j < hi) = scale * q[row0 + r] . k[j] for r < rows, then the masks (-1e9).
+// Score row r, key j of a block (lo <= j < hi) = scale * q[row0 + r] . k[j] for r < rows, then the masks (-1e9)
+// (the mask is read only when block.masked), into scores (row stride ld).
+template <typename T>
+void block_scores(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows, const KeySpan& block,
+                  T* scores, int64_t ld) {
+  const int64_t n = block.size();
+  gemm<T>(false, true, rows, n, in.d_k, in.scale, head.q + row0 * in.q_stride.row, in.q_stride.row,
+          head.k + block.lo * in.k_stride.row, in.k_stride.row, T(0), scores, ld);
+  for (int64_t r = 0; r < rows; ++r) {
+    T* s = scores + r * ld;
+    if (block.masked) {
+      apply_mask(s, n, head.mask + (row0 + r) * in.mask_stride[2] + block.lo * in.mask_stride[3], in.mask_stride[3]);
+    }
+    if (in.is_causal) {
+      for (int64_t j = std::max(row0 + r + 1, block.lo); j < block.hi; ++j) s[j - block.lo] = T(kMaskedScore);
+    }
+  }
+}
+
+// The next block of a chunk's span from key `from`: in.key_block keys, or, with `narrow` and a mask to read, the
+// next run of at most in.key_block keys that some row of the chunk sees (keys every row hides are skipped), read
+// without the mask when every row sees all of it. Empty when no row sees a key from `from` on.
+template <typename T>
+KeySpan next_block(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows, const KeySpan& span,
+                   int64_t from, bool narrow) {
+  if (!narrow || !span.masked) {
+    return {from, std::min(from + in.key_block, span.hi), span.masked};
+  }
+  const KeyBlock run = next_visible_block(head.mask + row0 * in.mask_stride[2], in.mask_stride[2], in.mask_stride[3],
+                                          rows, from, span.hi, in.key_block);
+  return {run.lo, run.hi, run.masked};
+}
+
+// Keys per tile of the whole-row scores whose mask is classified: a tile's keys that every row of the chunk
+// hides get -1e9 without a product, and a tile every row sees all of is computed without reading the mask.
+constexpr int64_t kScoreTile = 128;
+
+// The scores of a chunk over its whole span (row stride packed_ld(span)), tile by tile when a mask is read: the
+// same numbers as one product over the span followed by the mask.
 template <typename T>
 void span_scores(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows, const KeySpan& span,
                  T* scores) {
-  const int64_t ld = packed_ld(span), n = span.size();
-  gemm<T>(false, true, rows, n, in.d_k, in.scale, head.q + row0 * in.q_stride.row, in.q_stride.row,
-          head.k + span.lo * in.k_stride.row, in.k_stride.row, T(0), scores, ld);
-  for (int64_t r = 0; r < rows; ++r) {
-    T* s = scores + r * ld;
-    if (span.masked) {
-      apply_mask(s, n, head.mask + (row0 + r) * in.mask_stride[2] + span.lo * in.mask_stride[3], in.mask_stride[3]);
+  const int64_t ld = packed_ld(span);
+  if (!span.masked) {
+    return block_scores(in, head, row0, rows, span, scores, ld);
+  }
+  auto fill_masked = [&](int64_t from, int64_t to) {
+    for (int64_t r = 0; r < rows && from < to; ++r) {
+      std::fill(scores + r * ld + (from - span.lo), scores + r * ld + (to - span.lo), T(kMaskedScore));
     }
-    if (in.is_causal) {
-      for (int64_t j = std::max(row0 + r + 1, span.lo); j < span.hi; ++j) s[j - span.lo] = T(kMaskedScore);
+  };
+  for (int64_t lo = span.lo; lo < span.hi; lo += kScoreTile) {
+    const int64_t hi = std::min(lo + kScoreTile, span.hi);
+    const KeyBlock run = next_visible_block(head.mask + row0 * in.mask_stride[2], in.mask_stride[2], in.mask_stride[3],
+                                            rows, lo, hi, hi - lo);
+    fill_masked(lo, run.lo);
+    if (run.hi > run.lo) {
+      block_scores(in, head, row0, rows, KeySpan{run.lo, run.hi, run.masked}, scores + (run.lo - span.lo), ld);
     }
+    fill_masked(run.hi, hi);
   }
 }
 
@@ -276,27 +323,38 @@ class NonFiniteKeys {
  public:
   // Whether such a key lies outside the span (a skipped key).
   bool outside(const AttentionInputs<T>& in, const Head<T>& head, int64_t head_index, const KeySpan& span) {
-    if (head_index != head_index_) {
-      head_index_ = head_index;
-      first_ = in.len_k;
-      last_ = -1;
-      auto finite = [&](int64_t from, int64_t to) {
-        return finite_rows(head.v, in.v_stride.row, from, to, in.d_v) &&
-               finite_rows(head.k, in.k_stride.row, from, to, in.d_k);
-      };
-      if (!finite(0, in.len_k)) {
-        for (int64_t i = 0; i < in.len_k; ++i) {
-          if (!finite(i, i + 1)) {
-            first_ = std::min(first_, i);
-            last_ = i;
-          }
-        }
-      }
-    }
+    scan(in, head, head_index);
     return first_ <= last_ && (first_ < span.lo || last_ >= span.hi);
   }
 
+  // Whether the head has such a key at all.
+  bool any(const AttentionInputs<T>& in, const Head<T>& head, int64_t head_index) {
+    scan(in, head, head_index);
+    return first_ <= last_;
+  }
+
  private:
+  void scan(const AttentionInputs<T>& in, const Head<T>& head, int64_t head_index) {
+    if (head_index == head_index_) {
+      return;
+    }
+    head_index_ = head_index;
+    first_ = in.len_k;
+    last_ = -1;
+    auto finite = [&](int64_t from, int64_t to) {
+      return finite_rows(head.v, in.v_stride.row, from, to, in.d_v) &&
+             finite_rows(head.k, in.k_stride.row, from, to, in.d_k);
+    };
+    if (!finite(0, in.len_k)) {
+      for (int64_t i = 0; i < in.len_k; ++i) {
+        if (!finite(i, i + 1)) {
+          first_ = std::min(first_, i);
+          last_ = i;
+        }
+      }
+    }
+  }
+
   int64_t head_index_ = -1, first_ = 0, last_ = -1;
 };
 
@@ -329,25 +387,28 @@ struct OnlineBuffers {
   std::vector<uint32_t> words;
 };
 
-// The output rows of a chunk over its key span, without kept weights: the span is walked in blocks of
+// The output rows of a chunk over its key span, without kept weights: the span is walked in blocks of at most
 // in.key_block keys with an online softmax. Each block's scores are exponentiated against the running row max,
 // and the output accumulated so far is rescaled whenever that max grows, so only rows x key_block scores exist
-// at a time and they stay in cache at any Lk. Returns false when keys were skipped and a row's final max leaves
-// them a weight other than exactly 0 (see skipped_keys_weigh_zero): the caller redoes the chunk over all keys.
+// at a time and they stay in cache at any Lk. With `narrow`, runs of keys that every row of the chunk hides are
+// skipped (next_block). Returns false when keys were skipped and a row's final max leaves them a weight other
+// than exactly 0 (see skipped_keys_weigh_zero): the caller redoes the chunk over all keys.
 template <typename T>
 bool online_chunk(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows, int64_t first_row,
-                  const KeySpan& span, OnlineBuffers<T>& buf, T* out_rows, T* lse) {
+                  const KeySpan& span, bool narrow, OnlineBuffers<T>& buf, T* out_rows, T* lse) {
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
   std::fill(buf.max.begin(), buf.max.begin() + rows, kNegInf);
   std::fill(buf.sum.begin(), buf.sum.begin() + rows, T(0));
-  if (span.size() == 0) {  // no key at all (Lk = 0): zero outputs
-    std::fill(out_rows, out_rows + rows * in.d_v, T(0));
-  }
-  for (int64_t lo = span.lo; lo < span.hi; lo += in.key_block) {
-    const KeySpan block{lo, std::min(lo + in.key_block, span.hi), span.masked};
+  bool skipped = span.size() < in.len_k, computed = false;
+  for (int64_t from = span.lo; from < span.hi;) {
+    const KeySpan block = next_block(in, head, row0, rows, span, from, narrow);
+    skipped = skipped || block.lo > from;
+    if (block.size() == 0) {
+      break;
+    }
+    from = block.hi;
     const int64_t n = block.size();
-    const bool first_block = lo == span.lo;
-    span_scores(in, head, row0, rows, block, buf.scores.data());
+    block_scores(in, head, row0, rows, block, buf.scores.data(), n);
     if (in.dropout_p > 0) {
       fill_chunk_keep(in, first_row, rows, block, buf.words, buf.keep.data());
     }
@@ -362,23 +423,27 @@ bool online_chunk(const AttentionInputs<T>& in, const Head<T>& head, int64_t row
       const T rescale = std::exp(old - now);  // 0 for the first finite block
       buf.sum[r] = buf.sum[r] * rescale + exp_shifted(s, n, now, std::isfinite(now));
       buf.max[r] = now;
-      if (!first_block && rescale != T(1)) {
+      if (computed && rescale != T(1)) {
         scale_row(out_rows + r * in.d_v, in.d_v, rescale);
       }
       if (in.dropout_p > 0) {
         at::vec::map2([](Vectorized<T> a, Vectorized<T> b) { return a * b; }, s, s, buf.keep.data() + r * n, n);
       }
     }
-    gemm<T>(false, false, rows, in.d_v, n, T(1), buf.scores.data(), n, head.v + lo * in.v_stride.row, in.v_stride.row,
-            first_block ? T(0) : T(1), out_rows, in.d_v);
+    gemm<T>(false, false, rows, in.d_v, n, T(1), buf.scores.data(), n, head.v + block.lo * in.v_stride.row,
+            in.v_stride.row, computed ? T(1) : T(0), out_rows, in.d_v);
+    computed = true;
+  }
+  if (!computed) {  // no key at all (Lk = 0), or every key skipped: zero outputs
+    std::fill(out_rows, out_rows + rows * in.d_v, T(0));
   }
   bool complete = true;
   for (int64_t r = 0; r < rows; ++r) {
     lse[r] = buf.max[r] + std::log(buf.sum[r]);
-    if (span.size() > 0) {
+    if (computed) {
       scale_row(out_rows + r * in.d_v, in.d_v, T(1) / buf.sum[r]);
     }
-    complete = complete && (span.size() == in.len_k || skipped_keys_weigh_zero(buf.max[r]));
+    complete = complete && (!skipped || skipped_keys_weigh_zero(buf.max[r]));
   }
   return complete;
 }
@@ -387,11 +452,10 @@ template <typename T>
 void online_forward(const AttentionInputs<T>& in, const AttentionForwardOutputs<T>& out) {
   const int64_t chunk = online_query_chunk(in.len_q, in.batch * in.heads, at::get_num_threads());
   const int64_t chunks = (in.len_q + chunk - 1) / chunk;
-  const int64_t block = std::min(in.key_block, std::max<int64_t>(in.len_k, 1));
   at::parallel_for(0, in.batch * in.heads * chunks, 1, [&](int64_t begin, int64_t end) {
     OnlineBuffers<T> buf;
-    buf.scores.resize(chunk * block);
-    buf.keep.resize(in.dropout_p > 0 ? chunk * block : 0);
+    buf.scores.resize(chunk * in.key_block);
+    buf.keep.resize(in.dropout_p > 0 ? chunk * in.key_block : 0);
     buf.max.resize(chunk);
     buf.sum.resize(chunk);
     NonFiniteKeys<T> non_finite;
@@ -402,8 +466,10 @@ void online_forward(const AttentionInputs<T>& in, const AttentionForwardOutputs<
       const int64_t first_row = bh * in.len_q + row0;  // row index in (B*H*Lq)
       T* const out_rows = out.out + first_row * in.d_v;
       const KeySpan span = chunk_span(in, head, bh, row0, rows, non_finite, false);
-      if (!online_chunk(in, head, row0, rows, first_row, span, buf, out_rows, out.lse + first_row)) {
-        online_chunk(in, head, row0, rows, first_row, KeySpan{0, in.len_k, head.mask != nullptr}, buf, out_rows,
+      // A zero weight times a NaN or infinite value is NaN: no key is skipped inside the span of such a head.
+      const bool narrow = span.masked && !non_finite.any(in, head, bh);
+      if (!online_chunk(in, head, row0, rows, first_row, span, narrow, buf, out_rows, out.lse + first_row)) {
+        online_chunk(in, head, row0, rows, first_row, KeySpan{0, in.len_k, head.mask != nullptr}, false, buf, out_rows,
                      out.lse + first_row);
       }
     }
@@ -463,13 +529,23 @@ void forward_impl(const AttentionInputs<T>& in, const AttentionForwardOutputs<T>
   });
 }
 
-// A row whose scores were all overwritten with -1e9 has uniform weights over all Lk keys (such a row is
-// computed at full width). Its log-sum-exp, -1e9 + log(Lk), is too coarse in fp32 to recompute them from,
-// so the backward recognizes the row instead (real scores never come near -5e8).
+// Whether a row's log-sum-exp is too close to the -1e9 of masked scores to recompute its weights from: a row
+// masked everywhere (lse = -1e9 + log(Lk), uniform weights) or whose scores all lie near or below -1e9. In
+// float32 such an lse is a multiple of 64, so these rows take their max and sum over all keys instead (such a
+// row is computed at full width). -inf (every score -inf) is not one: its weights are NaN as in the math.
 template <typename T>
-bool masked_everywhere(T lse) {
-  return std::isfinite(lse) && lse < T(kMaskedScore / 2);  // -inf: every score -inf, NaN weights in the math
+bool lse_near_fill(T lse) {
+  return std::isfinite(lse) && !skipped_keys_weigh_zero(lse);
 }
+
+// How the backward recomputes a row's weights: P = exp(S - shift) * scale. From the saved lse (shift = lse,
+// scale = 1), or for rows with lse_near_fill from the row's own max and sum (`exact`; their masked keys can
+// weigh more than 0, so their dS is zeroed there explicitly).
+template <typename T>
+struct RowSoftmax {
+  T shift, scale;
+  bool exact;
+};
 
 // Zeroes dS where the scores were overwritten (mask == 0, or above the diagonal when causal); ds holds the
 // span's columns.
@@ -486,36 +562,26 @@ void zero_masked(const AttentionInputs<T>& in, const Head<T>& head, int64_t quer
   }
 }
 
-// One pass over a row: P = exp(S - lse), dP = dW * keep, dS = P * (dP - D), W = P * keep, where
+// One pass over a row: P = exp(S - shift) * scale, dP = dW * keep, dS = P * (dP - D), W = P * keep, where
 // D = sum_j dP_j P_j = dO . O (the forward output row; true with dropout too), so no row reduction is needed.
-// Masked scores have P = 0 exactly (exp(-1e9 - lse)), hence dS = 0, except in rows masked everywhere (whose
-// span is all keys) and in rows with a non-finite dS. p, dw and keep hold the span's columns.
+// Masked scores have P = 0 exactly (exp(-1e9 - lse)), hence dS = 0, except in rows with exact softmax
+// constants (whose span is all keys) and in rows with a non-finite dS. p, dw and keep hold the span's columns.
 template <typename T>
 void fused_backward_row(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, int64_t row, int64_t query,
-                        const KeySpan& span, const Head<T>& head, T* p, T* dw, const T* keep) {
+                        const KeySpan& span, const Head<T>& head, const RowSoftmax<T>& softmax, T* p, T* dw,
+                        const T* keep) {
   const int64_t width = span.size();
   using Vec = Vectorized<T>;
   const T* grad_out = g.grad_out + row * in.d_v;
   const T* out = g.out + row * in.d_v;
   const T d = at::vec::map2_reduce_all<T>([](Vec a, Vec b) { return a * b; }, [](Vec a, Vec b) { return a + b; },
                                           grad_out, out, in.d_v);
-  const T lse = g.lse[row];
-  const Vec lse_vec(lse), d_vec(d);
+  const Vec shift_vec(softmax.shift), scale_vec(softmax.scale), d_vec(d);
   const bool dropout = keep != nullptr;
-  if (masked_everywhere(lse)) {         // uniform P; and dS is zero where the scores were overwritten
-    const T prob = T(1) / T(in.len_k);  // such a row's span is all keys
-    for (int64_t j = 0; j < width; ++j) {
-      const T k = dropout ? keep[j] : T(1);
-      p[j] = prob * k;
-      dw[j] = prob * (dw[j] * k - d);
-    }
-    zero_masked(in, head, query, span, dw);
-    return;
-  }
-  const bool fast = std::isfinite(lse);
+  const bool fast = std::isfinite(softmax.shift);
   int64_t j = 0;
   for (; j + Vec::size() <= width; j += Vec::size()) {
-    const Vec prob = softmax_exp(Vec::loadu(p + j) - lse_vec, fast);
+    const Vec prob = softmax_exp(Vec::loadu(p + j) - shift_vec, fast) * scale_vec;
     Vec dp = Vec::loadu(dw + j);
     if (dropout) {
       const Vec k = Vec::loadu(keep + j);
@@ -527,14 +593,14 @@ void fused_backward_row(const AttentionInputs<T>& in, const AttentionBackwardTen
     (prob * (dp - d_vec)).store(dw + j);
   }
   for (; j < width; ++j) {
-    const T prob = std::exp(p[j] - lse);
+    const T prob = std::exp(p[j] - softmax.shift) * softmax.scale;
     const T k = dropout ? keep[j] : T(1);
     p[j] = prob * k;
     dw[j] = prob * (dw[j] * k - d);
   }
   // A NaN or infinity in dO, O or V makes 0 * (dP - D) NaN at masked keys too, where the math has no gradient
   // (the -1e9 overwrote those scores): zero them as the general path does.
-  if ((span.masked || in.is_causal) && !finite_rows(dw, width, 0, 1, width)) {
+  if ((span.masked || in.is_causal) && (softmax.exact || !finite_rows(dw, width, 0, 1, width))) {
     zero_masked(in, head, query, span, dw);
   }
 }
@@ -565,9 +631,45 @@ SplitTask<T> split_task(const AttentionInputs<T>& in, const AttentionBackwardTen
 template <typename T>
 struct BackwardBuffers {
   std::vector<T> probs, grad_w, keep;
+  std::vector<RowSoftmax<T>> softmax;
   NonFiniteKeys<T> non_finite;
   std::vector<uint32_t> words;
 };
+
+// The softmax constants of a chunk's rows for fused_backward_row: from the saved lse, except for rows with
+// lse_near_fill, which take their max and sum over all keys in one more pass of scores (their chunk's span is
+// all keys: none of its keys is skipped).
+template <typename T>
+void row_softmax_constants(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, const Head<T>& head,
+                           int64_t row0, int64_t rows, int64_t first_row, BackwardBuffers<T>& buf) {
+  constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+  bool any_exact = false;
+  for (int64_t r = 0; r < rows; ++r) {
+    const T lse = g.lse[first_row + r];
+    const bool exact = lse_near_fill(lse);
+    buf.softmax[r] = exact ? RowSoftmax<T>{kNegInf, T(0), true} : RowSoftmax<T>{lse, T(1), false};
+    any_exact = any_exact || exact;
+  }
+  if (!any_exact) {
+    return;
+  }
+  for (int64_t lo = 0; lo < in.len_k; lo += in.key_block) {  // running max in shift, running sum in scale
+    const KeySpan block{lo, std::min(lo + in.key_block, in.len_k), head.mask != nullptr};
+    const int64_t n = block.size();
+    block_scores(in, head, row0, rows, block, buf.probs.data(), n);
+    for (int64_t r = 0; r < rows; ++r) {
+      RowSoftmax<T>& row = buf.softmax[r];
+      const T now = std::max(row.shift, row_max(buf.probs.data() + r * n, n));
+      if (row.exact && now != kNegInf) {
+        row.scale = row.scale * std::exp(row.shift - now) + exp_shifted(buf.probs.data() + r * n, n, now);
+        row.shift = now;
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    if (buf.softmax[r].exact) buf.softmax[r].scale = T(1) / buf.softmax[r].scale;
+  }
+}
 
 // Runs body(task, row0, rows, buffers) for every query chunk of `chunk` rows, the split tasks in parallel.
 template <typename T, typename Body>
@@ -579,6 +681,7 @@ void for_each_backward_chunk(const AttentionInputs<T>& in, const AttentionBackwa
     buf.probs.resize(chunk * width);
     buf.grad_w.resize(chunk * width);
     buf.keep.resize(in.dropout_p > 0 ? chunk * width : 0);
+    buf.softmax.resize(chunk);
     for (int64_t t = begin; t < end; ++t) {
       const SplitTask<T> task = split_task(in, g, t, chunks);
       for (int64_t c = task.chunk_begin; c < task.chunk_end; ++c) {
@@ -589,54 +692,60 @@ void for_each_backward_chunk(const AttentionInputs<T>& in, const AttentionBackwa
 }
 
 // The backward when the weights carry no gradient and the forward output is at hand (fused_backward_row needs
-// no row reduction): each chunk walks its key span in blocks of in.key_block keys, so only rows x key_block
-// scores and score gradients exist at a time. Keys outside the span are skipped when their weight in the math,
-// exp(-1e9 - lse), is exactly 0 in every row of the chunk (then so is their score gradient).
+// no row reduction): each chunk walks its key span in blocks of at most in.key_block keys, so only rows x key_block
+// scores and score gradients exist at a time. Keys outside the span, and runs inside it that every row of the
+// chunk hides, are skipped when their weight in the math, exp(-1e9 - lse), is exactly 0 in every row of the chunk
+// (then so is their score gradient).
 template <typename T>
 void blocked_backward(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g) {
   const int64_t chunk = backward_query_chunk(true, in.len_q, in.len_k, in.batch * in.heads, at::get_num_threads());
-  const int64_t block = std::min(in.key_block, std::max<int64_t>(in.len_k, 1));
   for_each_backward_chunk(
-      in, g, chunk, block, [&](const SplitTask<T>& task, int64_t row0, int64_t rows, BackwardBuffers<T>& buf) {
+      in, g, chunk, in.key_block, [&](const SplitTask<T>& task, int64_t row0, int64_t rows, BackwardBuffers<T>& buf) {
         const auto& [bh, chunk_begin, chunk_end, head, grad_k, grad_v] = task;
-        auto& [probs, grad_w, keep, non_finite, words] = buf;
+        auto& [probs, grad_w, keep, softmax, non_finite, words] = buf;
         const int64_t first_row = bh * in.len_q + row0;
         const T* grad_out = g.grad_out + first_row * in.d_v;
         const T* q_rows = head.q + row0 * in.q_stride.row;
         T* grad_q = g.grad_q + first_row * in.d_k;
+        row_softmax_constants(in, g, head, row0, rows, first_row, buf);
         // dV and dK of a skipped key are zero weights (score gradients) times dO (Q) rows: a NaN or an infinity
         // there makes them NaN in the math.
-        const bool rows_finite =
+        bool may_skip =
             finite_rows(grad_out, in.d_v, 0, rows, in.d_v) && finite_rows(q_rows, in.q_stride.row, 0, rows, in.d_k);
-        KeySpan span = chunk_span(in, head, bh, row0, rows, non_finite, !rows_finite);
-        for (int64_t r = 0; r < rows && span.size() < in.len_k; ++r) {
-          if (!skipped_keys_weigh_zero(g.lse[first_row + r])) span = KeySpan{0, in.len_k, head.mask != nullptr};
-        }
-        if (span.size() == 0) {
-          std::fill(grad_q, grad_q + rows * in.d_k, T(0));
-        }
-        for (int64_t lo = span.lo; lo < span.hi; lo += in.key_block) {
-          const KeySpan part{lo, std::min(lo + in.key_block, span.hi), span.masked};
-          const int64_t n = part.size();
+        for (int64_t r = 0; r < rows && may_skip; ++r) may_skip = skipped_keys_weigh_zero(g.lse[first_row + r]);
+        const KeySpan span = chunk_span(in, head, bh, row0, rows, non_finite, !may_skip);
+        const bool narrow = may_skip && span.masked && !non_finite.any(in, head, bh);
+        bool computed = false;
+        for (int64_t from = span.lo; from < span.hi;) {
+          const KeySpan part = next_block(in, head, row0, rows, span, from, narrow);
+          if (part.size() == 0) {
+            break;
+          }
+          from = part.hi;
+          const int64_t n = part.size(), lo = part.lo;
           const T* v_part = head.v + lo * in.v_stride.row;
           const T* k_part = head.k + lo * in.k_stride.row;
-          span_scores(in, head, row0, rows, part, probs.data());
+          block_scores(in, head, row0, rows, part, probs.data(), n);
           gemm<T>(false, true, rows, n, in.d_v, T(1), grad_out, in.d_v, v_part, in.v_stride.row, T(0), grad_w.data(),
                   n);
           if (in.dropout_p > 0) {
             fill_chunk_keep(in, first_row, rows, part, words, keep.data());
           }
           for (int64_t r = 0; r < rows; ++r) {
-            fused_backward_row(in, g, first_row + r, row0 + r, part, head, probs.data() + r * n, grad_w.data() + r * n,
-                               in.dropout_p > 0 ? keep.data() + r * n : nullptr);
+            fused_backward_row(in, g, first_row + r, row0 + r, part, head, softmax[r], probs.data() + r * n,
+                               grad_w.data() + r * n, in.dropout_p > 0 ? keep.data() + r * n : nullptr);
           }
           // dV += W^T dO ; dQ (+)= scale * dS K ; dK += scale * dS^T Q (over this block's keys)
           gemm<T>(true, false, n, in.d_v, rows, T(1), probs.data(), n, grad_out, in.d_v, T(1), grad_v + lo * in.d_v,
                   in.d_v);
           gemm<T>(false, false, rows, in.d_k, n, in.scale, grad_w.data(), n, k_part, in.k_stride.row,
-                  lo == span.lo ? T(0) : T(1), grad_q, in.d_k);
+                  computed ? T(1) : T(0), grad_q, in.d_k);
           gemm<T>(true, false, n, in.d_k, rows, in.scale, grad_w.data(), n, q_rows, in.q_stride.row, T(1),
                   grad_k + lo * in.d_k, in.d_k);
+          computed = true;
+        }
+        if (!computed) {
+          std::fill(grad_q, grad_q + rows * in.d_k, T(0));
         }
       });
 }
@@ -652,7 +761,7 @@ void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<
   for_each_backward_chunk(
       in, g, chunk, ld, [&](const SplitTask<T>& task, int64_t row0, int64_t rows, BackwardBuffers<T>& buf) {
         const auto& [bh, chunk_begin, chunk_end, head, grad_k, grad_v] = task;
-        auto& [probs, grad_w, keep, non_finite, words] = buf;
+        auto& [probs, grad_w, keep, softmax, non_finite, words] = buf;
         const int64_t first_row = bh * in.len_q + row0;
         const T* grad_out = g.grad_out + first_row * in.d_v;
         // P = exp(S - lse), recomputed; dW = dO V^T (+ the gradient of the returned weights)
@@ -674,8 +783,8 @@ void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<
           T* dw = grad_w.data() + r * ld_span;
           const T* keep_row = in.dropout_p > 0 ? keep.data() + r * width : nullptr;
           const Vec lse(g.lse[first_row + r]);
-          if (masked_everywhere(g.lse[first_row + r])) {
-            std::fill(p, p + width, T(1) / T(width));
+          if (lse_near_fill(g.lse[first_row + r])) {  // the row is all keys wide: its own max and sum
+            scale_row(p, width, T(1) / exp_row(p, width).second);
           } else {
             at::vec::map([lse](Vec s) { return (s - lse).exp(); }, p, p, width);
           }

@@ -2,52 +2,132 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstring>
 
 namespace fastmha::cpu {
+namespace {
 
-std::pair<int64_t, int64_t> visible_range(const bool* row, int64_t stride, int64_t n) {
-  if (stride == 1) {
-    const void* first = std::memchr(row, 1, static_cast<size_t>(n));
-    if (first == nullptr) {
-      return {n, -1};
-    }
-    const void* last = memrchr(row, 1, static_cast<size_t>(n));
-    return {static_cast<const bool*>(first) - row, static_cast<const bool*>(last) - row};
+// The first true entry of the n entries of a row, or n.
+int64_t first_visible(const bool* row, int64_t stride, int64_t n) {
+  if (n <= 0) {
+    return n;
   }
-  int64_t first = 0, last = n - 1;
-  while (first < n && !row[first * stride]) ++first;
-  while (last > first && !row[last * stride]) --last;
-  return first == n ? std::pair<int64_t, int64_t>{n, -1} : std::pair<int64_t, int64_t>{first, last};
+  if (stride == 0) {
+    return row[0] ? 0 : n;
+  }
+  if (stride == 1) {
+    const void* found = std::memchr(row, 1, static_cast<size_t>(n));
+    return found == nullptr ? n : static_cast<const bool*>(found) - row;
+  }
+  int64_t j = 0;
+  while (j < n && !row[j * stride]) ++j;
+  return j;
 }
 
-bool has_hidden_key(const bool* row, int64_t stride, int64_t first, int64_t last) {
-  if (last - first < 2) {
-    return false;
+// The last true entry of the n entries of a row, or -1.
+int64_t last_visible(const bool* row, int64_t stride, int64_t n) {
+  if (n <= 0) {
+    return -1;
+  }
+  if (stride == 0) {
+    return row[0] ? n - 1 : -1;
   }
   if (stride == 1) {
-    return std::memchr(row + first + 1, 0, static_cast<size_t>(last - first - 1)) != nullptr;
+    const void* found = memrchr(row, 1, static_cast<size_t>(n));
+    return found == nullptr ? -1 : static_cast<const bool*>(found) - row;
   }
-  for (int64_t j = first + 1; j < last; ++j) {
+  int64_t j = n - 1;
+  while (j >= 0 && !row[j * stride]) --j;
+  return j;
+}
+
+// Whether some of the n entries of a row is false.
+bool any_hidden(const bool* row, int64_t stride, int64_t n) {
+  if (n <= 0) {
+    return false;
+  }
+  if (stride == 0) {
+    return !row[0];
+  }
+  if (stride == 1) {
+    return std::memchr(row, 0, static_cast<size_t>(n)) != nullptr;
+  }
+  for (int64_t j = 0; j < n; ++j) {
     if (!row[j * stride]) return true;
   }
   return false;
 }
 
-double visible_key_fraction(const at::Tensor& mask, int64_t len_k) {
-  if (mask.dim() == 0 || mask.size(-1) == 1 || len_k == 0 || mask.numel() == 0) {
+}  // namespace
+
+std::pair<int64_t, int64_t> visible_range(const bool* row, int64_t stride, int64_t n) {
+  const int64_t first = first_visible(row, stride, n);
+  if (first == n) {
+    return {n, -1};
+  }
+  return {first, first + last_visible(row + first * stride, stride, n - first)};
+}
+
+bool has_hidden_key(const bool* row, int64_t stride, int64_t first, int64_t last) {
+  return any_hidden(row + (first + 1) * stride, stride, last - first - 1);
+}
+
+KeyBlock next_visible_block(const bool* mask, int64_t row_stride, int64_t col_stride, int64_t rows, int64_t from,
+                            int64_t end, int64_t block) {
+  const int64_t distinct = row_stride == 0 ? std::min<int64_t>(rows, 1) : rows;
+  auto row = [&](int64_t r, int64_t key) { return mask + r * row_stride + key * col_stride; };
+  int64_t lo = end;  // each row's search stops at the best start found so far
+  for (int64_t r = 0; r < distinct && lo > from; ++r) {
+    lo = from + first_visible(row(r, from), col_stride, lo - from);
+  }
+  if (lo == end) {
+    return {end, end, false};
+  }
+  const int64_t limit = std::min(lo + block, end);
+  int64_t hi = lo + 1;
+  for (int64_t r = 0; r < distinct && hi < limit; ++r) {
+    hi = std::max(hi, lo + last_visible(row(r, lo), col_stride, limit - lo) + 1);
+  }
+  bool masked = false;
+  for (int64_t r = 0; r < distinct && !masked; ++r) {
+    masked = any_hidden(row(r, lo), col_stride, hi - lo);
+  }
+  return {lo, hi, masked};
+}
+
+double computed_key_fraction(const at::Tensor& mask_view) {
+  const int64_t batch = mask_view.size(0), heads = mask_view.size(1), len_q = mask_view.size(2),
+                len_k = mask_view.size(3);
+  if (mask_view.numel() == 0 || mask_view.stride(3) == 0) {
     return 1.0;
   }
-  auto last_row = mask.dim() >= 2 ? mask.select(-2, mask.size(-2) - 1) : mask;
-  const auto visible = last_row.ne(0).reshape({-1, len_k}).to(at::kCPU).contiguous();
-  const auto* data = visible.const_data_ptr<bool>();
-  const int64_t rows = visible.size(0);
-  double keys = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    const auto [first, last] = visible_range(data + r * len_k, 1, len_k);
-    keys += static_cast<double>(first > last ? len_k : last - first + 1);
+  constexpr int64_t kRows = 64, kBlock = 256, kChunks = 4, kSlices = 8;
+  // Distinct (batch, head) slices (a zero stride repeats one), a few spread evenly.
+  const int64_t bs = mask_view.stride(0) == 0 ? 1 : batch, hs = mask_view.stride(1) == 0 ? 1 : heads;
+  const int64_t slices = std::min(bs * hs, kSlices), chunks = (len_q + kRows - 1) / kRows;
+  const int64_t sampled_chunks = std::min(chunks, kChunks);
+  const auto* data = mask_view.const_data_ptr<bool>();
+  double computed = 0, total = 0;
+  for (int64_t s = 0; s < slices; ++s) {
+    const int64_t slice = slices == 1 ? 0 : s * (bs * hs - 1) / (slices - 1);
+    const bool* head = data + (slice / hs) * mask_view.stride(0) + (slice % hs) * mask_view.stride(1);
+    for (int64_t c = 0; c < sampled_chunks; ++c) {
+      const int64_t chunk = sampled_chunks == 1 ? chunks - 1 : c * (chunks - 1) / (sampled_chunks - 1);
+      const int64_t row0 = chunk * kRows, rows = std::min(kRows, len_q - row0);
+      const bool* first = head + row0 * mask_view.stride(2);
+      int64_t keys = 0;
+      for (int64_t lo = 0; lo < len_k;) {
+        const KeyBlock run =
+            next_visible_block(first, mask_view.stride(2), mask_view.stride(3), rows, lo, len_k, kBlock);
+        keys += run.hi - run.lo;
+        lo = run.hi;
+      }
+      computed += static_cast<double>(keys == 0 ? len_k : keys);
+      total += static_cast<double>(len_k);
+    }
   }
-  return keys / static_cast<double>(rows * len_k);
+  return total == 0 ? 1.0 : computed / total;
 }
 
 }  // namespace fastmha::cpu

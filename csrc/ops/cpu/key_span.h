@@ -1,6 +1,8 @@
-// How much of the key range a mask leaves to compute: fastmha's CPU kernels skip the keys before the first
-// and after the last visible one of each query chunk (padding), torch's CPU flash kernel computes them all.
-// The kernel choice weighs the two with this estimate.
+// Which keys a mask leaves a group of query rows to compute. fastmha's CPU kernels compute, for each chunk of
+// queries, only the runs of keys that some row of it sees (padding, causality, block-sparse holes) and skip the
+// rest; torch's CPU flash kernel computes them all. The kernel choice weighs the two with an estimate.
+// Compiled once (not per vector ISA): unit-stride rows are searched with glibc's vectorized memchr/memrchr,
+// which rely on torch's bool being one byte holding 0 or 1.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -11,16 +13,28 @@
 namespace fastmha::cpu {
 
 // The first and last true entry among row[0], row[stride], ... (n entries), or {n, -1} when there is none.
-// Compiled once (not per vector ISA): unit-stride rows are searched with glibc's vectorized memchr/memrchr,
-// which rely on torch's bool being one byte holding 0 or 1.
 std::pair<int64_t, int64_t> visible_range(const bool* row, int64_t stride, int64_t n);
 
 // Whether some entry of the row strictly between `first` and `last` is false.
 bool has_hidden_key(const bool* row, int64_t stride, int64_t first, int64_t last);
 
-// The mean over the mask's (batch, head) rows of (last visible key - first visible key + 1) / len_k, read
-// from the last query row (for padding and padding & causal masks that row spans the widest range). 1 for
-// masks that do not vary over the keys; a row with no visible key counts as all keys.
-double visible_key_fraction(const at::Tensor& mask, int64_t len_k);
+// A run of keys [lo, hi) for a group of query rows; `masked`: some row hides a key inside it.
+struct KeyBlock {
+  int64_t lo, hi;
+  bool masked;
+};
+
+// The next run of at most `block` keys, searching [from, end), that `rows` mask rows need (row r at
+// mask + r * row_stride, its keys col_stride apart; a row stride of 0 means one row): it starts at the first key
+// some row sees and ends after the last key some row sees within `block` keys of that. Keys in between that
+// every row hides are skipped. {end, end, false} when no row sees a key in [from, end).
+KeyBlock next_visible_block(const bool* mask, int64_t row_stride, int64_t col_stride, int64_t rows, int64_t from,
+                            int64_t end, int64_t block);
+
+// The share of the keys fastmha's kernels compute under this mask, a bool view broadcast to (B, H, Lq, Lk)
+// through its strides: the runs of next_visible_block (256 keys at most) over chunks of 64 query rows, for a
+// sample of up to 4 chunks (the last among them) of up to 8 (batch, head) slices. 1 for masks that do not vary
+// over the keys; a chunk with no visible key counts as all keys (its rows are uniform over all of them).
+double computed_key_fraction(const at::Tensor& mask_view);
 
 }  // namespace fastmha::cpu
