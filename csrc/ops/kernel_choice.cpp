@@ -72,9 +72,9 @@ KernelChoice choose_cpu(const AttentionCall& call) {
   const double span =
       call.mask.has_value() ? cpu::computed_key_fraction(broadcast_mask(call.mask, call.query, call.key)) : 1.0;
   // The largest share of the keys at which skipping the rest pays off: fastmha's kernel against torch's as
-  // measured without a mask (about even in float32 at any length; 0.7x in half types widened to fp32; 0.2-0.4x
-  // where torch multiplies half types natively).
-  const double own_pays_below = native_half ? 0.2 : half ? 0.5 : 0.75;
+  // measured without a mask (about even in float32 at any length; 0.7-0.8x in half types widened to fp32;
+  // 0.2-0.4x where torch multiplies half types natively).
+  const double own_pays_below = native_half ? 0.2 : half ? 0.65 : 0.75;
   const std::string skipped = "a mask that leaves " + std::to_string(static_cast<int>(span * 100 + 0.5)) +
                               "% of the keys to compute: fastmha's kernel skips the rest";
   if (call.pass == Pass::kForward) {
@@ -91,6 +91,9 @@ KernelChoice choose_cpu(const AttentionCall& call) {
   }
   constexpr int64_t kOwnBackwardLongestKeys = 2048;
   if (!half && span * static_cast<double>(call.key.size(2)) > kOwnBackwardLongestKeys) {
+    if (span <= own_pays_below) {
+      return {K::kOwnCpu, skipped};
+    }
     return {K::kStockCpu, "backward with more than 2048 keys: torch's CPU flash backward is as fast there"};
   }
   return {K::kOwnCpu, "backward without native half-type products: fastmha's kernel is as fast or faster"};

@@ -247,11 +247,11 @@ KeySpan next_block(const AttentionInputs<T>& in, const Head<T>& head, int64_t ro
   return {run.lo, run.hi, run.masked};
 }
 
-// Keys per tile of the whole-row scores whose mask is classified: a tile's keys that every row of the chunk
-// hides get -1e9 without a product, and a tile every row sees all of is computed without reading the mask.
-constexpr int64_t kScoreTile = 128;
+// Keys per run of the whole-row scores (next_visible_block): keys that every row of the chunk hides get -1e9
+// without a product, and a run that every row sees all of is computed without reading the mask.
+constexpr int64_t kScoreRun = 128;
 
-// The scores of a chunk over its whole span (row stride packed_ld(span)), tile by tile when a mask is read: the
+// The scores of a chunk over its whole span (row stride packed_ld(span)), run by run when a mask is read: the
 // same numbers as one product over the span followed by the mask.
 template <typename T>
 void span_scores(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows, const KeySpan& span,
@@ -265,15 +265,14 @@ void span_scores(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0
       std::fill(scores + r * ld + (from - span.lo), scores + r * ld + (to - span.lo), T(kMaskedScore));
     }
   };
-  for (int64_t lo = span.lo; lo < span.hi; lo += kScoreTile) {
-    const int64_t hi = std::min(lo + kScoreTile, span.hi);
+  for (int64_t from = span.lo; from < span.hi;) {
     const KeyBlock run = next_visible_block(head.mask + row0 * in.mask_stride[2], in.mask_stride[2], in.mask_stride[3],
-                                            rows, lo, hi, hi - lo);
-    fill_masked(lo, run.lo);
+                                            rows, from, span.hi, kScoreRun);
+    fill_masked(from, run.lo);
     if (run.hi > run.lo) {
       block_scores(in, head, row0, rows, KeySpan{run.lo, run.hi, run.masked}, scores + (run.lo - span.lo), ld);
     }
-    fill_masked(run.hi, hi);
+    from = run.hi;
   }
 }
 

@@ -3,10 +3,17 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace fastmha::cpu {
 namespace {
+
+// Keys that every row hides, at least, for a run to end before them: a shorter gap is computed (masked) rather
+// than split into two products.
+constexpr int64_t kSplitGap = 32;
+constexpr int64_t kVisibleRun = 64;
 
 // The first true entry of the n entries of a row, or n.
 int64_t first_visible(const bool* row, int64_t stride, int64_t n) {
@@ -84,16 +91,40 @@ KeyBlock next_visible_block(const bool* mask, int64_t row_stride, int64_t col_st
   if (lo == end) {
     return {end, end, false};
   }
-  const int64_t limit = std::min(lo + block, end);
-  int64_t hi = lo + 1;
-  for (int64_t r = 0; r < distinct && hi < limit; ++r) {
-    hi = std::max(hi, lo + last_visible(row(r, lo), col_stride, limit - lo) + 1);
+  // Which keys of the window some row sees (any) and every row sees (all), one pass over each row: the run ends
+  // at its last key some row sees before a gap of kSplitGap keys that every row hides.
+  const int64_t n = std::min(lo + block, end) - lo;
+  thread_local std::vector<uint8_t> any_buffer, all_buffer;
+  any_buffer.assign(static_cast<size_t>(n), 0);
+  all_buffer.assign(static_cast<size_t>(n), 1);
+  uint8_t* __restrict any = any_buffer.data();
+  uint8_t* __restrict all = all_buffer.data();
+  for (int64_t r = 0; r < distinct; ++r) {
+    const auto* __restrict keys = reinterpret_cast<const uint8_t*>(row(r, lo));
+    if (col_stride == 1) {  // vectorized
+      for (int64_t j = 0; j < n; ++j) {
+        any[j] |= keys[j];
+        all[j] &= keys[j];
+      }
+    } else {
+      for (int64_t j = 0; j < n; ++j) {
+        any[j] |= keys[j * col_stride];
+        all[j] &= keys[j * col_stride];
+      }
+    }
   }
-  bool masked = false;
-  for (int64_t r = 0; r < distinct && !masked; ++r) {
-    masked = any_hidden(row(r, lo), col_stride, hi - lo);
+  int64_t last = 0;  // key lo itself is seen
+  for (int64_t j = 1; j < n && j - last <= kSplitGap; ++j) {
+    if (any[j]) last = j;
   }
-  return {lo, hi, masked};
+  const void* hidden = std::memchr(all, 0, static_cast<size_t>(last + 1));
+  if (hidden == nullptr) {
+    return {lo, lo + last + 1, false};
+  }
+  // A run whose first kVisibleRun keys or more every row sees ends there, so that they are computed without
+  // reading the mask (the blocks of a causal mask below its diagonal).
+  const int64_t visible = static_cast<const uint8_t*>(hidden) - all;
+  return visible >= kVisibleRun ? KeyBlock{lo, lo + visible, false} : KeyBlock{lo, lo + last + 1, true};
 }
 
 double computed_key_fraction(const at::Tensor& mask_view) {

@@ -26,8 +26,9 @@ struct KeyBlock {
 
 // The next run of at most `block` keys, searching [from, end), that `rows` mask rows need (row r at
 // mask + r * row_stride, its keys col_stride apart; a row stride of 0 means one row): it starts at the first key
-// some row sees and ends after the last key some row sees within `block` keys of that. Keys in between that
-// every row hides are skipped. {end, end, false} when no row sees a key in [from, end).
+// some row sees and ends after the last key some row sees within `block` keys of that, or earlier, before a gap
+// of 32 keys or more that every row hides, or, when every row sees its first 64 keys or more, where that stops.
+// {end, end, false} when no row sees a key in [from, end).
 KeyBlock next_visible_block(const bool* mask, int64_t row_stride, int64_t col_stride, int64_t rows, int64_t from,
                             int64_t end, int64_t block);
 
