@@ -169,6 +169,10 @@ def test_kernel_choice_counts_the_keys_inside_the_span_that_are_skipped():
     window = window_with_global_keys(1024, 1024, width=32, global_keys=16)
     kernel, line = forward_choice(window)
     assert kernel == "fastmha-cpu" and "keys to compute" in line, line
+    share = line.split("leaves ")[1].split("%")[0]
+    for other_dtype in (window.to(torch.int64), window * 0.5):  # only exact zeros mask
+        assert forward_choice(other_dtype)[1] == line
+    assert int(share) < 30, line  # a chunk of 64 rows computes about 16 + 64 + 2 * 32 of 1024 keys
     kernel, line = forward_choice(packed_documents(1024, 1024, lengths=(100,) * 10 + (24,)))
     assert kernel == "fastmha-cpu", line
     kernel, line = forward_choice(torch.ones(1024, 1024, dtype=torch.bool))

@@ -127,30 +127,31 @@ KeyBlock next_visible_block(const bool* mask, int64_t row_stride, int64_t col_st
   return visible >= kVisibleRun ? KeyBlock{lo, lo + visible, false} : KeyBlock{lo, lo + last + 1, true};
 }
 
-double computed_key_fraction(const at::Tensor& mask_view) {
-  const int64_t batch = mask_view.size(0), heads = mask_view.size(1), len_q = mask_view.size(2),
-                len_k = mask_view.size(3);
-  if (mask_view.numel() == 0 || mask_view.stride(3) == 0) {
+double computed_key_fraction(const at::Tensor& mask, int64_t batch, int64_t heads, int64_t len_q, int64_t len_k) {
+  const auto view = mask.expand({batch, heads, len_q, len_k});
+  if (view.numel() == 0 || view.stride(3) == 0) {
     return 1.0;
   }
   constexpr int64_t kRows = 64, kBlock = 256, kChunks = 4, kSlices = 8;
   // Distinct (batch, head) slices (a zero stride repeats one), a few spread evenly.
-  const int64_t bs = mask_view.stride(0) == 0 ? 1 : batch, hs = mask_view.stride(1) == 0 ? 1 : heads;
+  const int64_t bs = view.stride(0) == 0 ? 1 : batch, hs = view.stride(1) == 0 ? 1 : heads;
   const int64_t slices = std::min(bs * hs, kSlices), chunks = (len_q + kRows - 1) / kRows;
   const int64_t sampled_chunks = std::min(chunks, kChunks);
-  const auto* data = mask_view.const_data_ptr<bool>();
   double computed = 0, total = 0;
   for (int64_t s = 0; s < slices; ++s) {
     const int64_t slice = slices == 1 ? 0 : s * (bs * hs - 1) / (slices - 1);
-    const bool* head = data + (slice / hs) * mask_view.stride(0) + (slice % hs) * mask_view.stride(1);
     for (int64_t c = 0; c < sampled_chunks; ++c) {
       const int64_t chunk = sampled_chunks == 1 ? chunks - 1 : c * (chunks - 1) / (sampled_chunks - 1);
       const int64_t row0 = chunk * kRows, rows = std::min(kRows, len_q - row0);
-      const bool* first = head + row0 * mask_view.stride(2);
+      // Only the sampled rows of a mask that is not bool are converted.
+      auto sample = view.select(0, slice / hs).select(0, slice % hs).narrow(0, row0, rows);
+      if (sample.scalar_type() != at::kBool) {
+        sample = sample.ne(0);
+      }
+      const bool* first = sample.const_data_ptr<bool>();
       int64_t keys = 0;
       for (int64_t lo = 0; lo < len_k;) {
-        const KeyBlock run =
-            next_visible_block(first, mask_view.stride(2), mask_view.stride(3), rows, lo, len_k, kBlock);
+        const KeyBlock run = next_visible_block(first, sample.stride(0), sample.stride(1), rows, lo, len_k, kBlock);
         keys += run.hi - run.lo;
         lo = run.hi;
       }

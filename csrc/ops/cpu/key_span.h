@@ -32,10 +32,10 @@ struct KeyBlock {
 KeyBlock next_visible_block(const bool* mask, int64_t row_stride, int64_t col_stride, int64_t rows, int64_t from,
                             int64_t end, int64_t block);
 
-// The share of the keys fastmha's kernels compute under this mask, a bool view broadcast to (B, H, Lq, Lk)
-// through its strides: the runs of next_visible_block (256 keys at most) over chunks of 64 query rows, for a
-// sample of up to 4 chunks (the last among them) of up to 8 (batch, head) slices. 1 for masks that do not vary
-// over the keys; a chunk with no visible key counts as all keys (its rows are uniform over all of them).
-double computed_key_fraction(const at::Tensor& mask_view);
+// The share of the keys fastmha's kernels compute under this mask (of any dtype, broadcast to (batch, heads,
+// len_q, len_k)): the runs of next_visible_block (256 keys at most) over chunks of 64 query rows, for a sample of
+// up to 4 chunks (the last among them) of up to 8 (batch, head) slices. 1 for masks that do not vary over the
+// keys; a chunk with no visible key counts as all keys (its rows are uniform over all of them).
+double computed_key_fraction(const at::Tensor& mask, int64_t batch, int64_t heads, int64_t len_q, int64_t len_k);
 
 }  // namespace fastmha::cpu
