@@ -53,6 +53,7 @@ def mask_cases():
         "transposed storage": transposed,
         "rows with no key": no_key_rows,
         "every fourth key": (torch.arange(LK) % 4 == 0).expand(LQ, LK),
+        "every fortieth key": (torch.arange(LK) % 40 == 0).expand(LQ, LK),  # runs of one key between gaps
     }
 
 

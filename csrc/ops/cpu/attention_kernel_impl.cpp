@@ -153,6 +153,7 @@ void fill_keep(const AttentionInputs<T>& in, uint64_t first, int64_t n, std::vec
 struct KeySpan {
   int64_t lo, hi;
   bool masked;
+  bool row_without_key = false;  // some row of the chunk sees no key: all keys, none of them skipped
   int64_t size() const { return hi - lo; }
 };
 
@@ -197,7 +198,7 @@ KeySpan visible_span(const AttentionInputs<T>& in, const Head<T>& head, int64_t 
     const bool* row = head.mask + (row0 + r) * in.mask_stride[2];
     const auto [first, last] = visible_range(row, col_stride, limit);
     if (first > last) {
-      return {0, in.len_k, true};  // a row with no visible key: uniform over all keys
+      return {0, in.len_k, true, true};  // a row with no visible key: uniform over all keys
     }
     lo = std::min(lo, first);
     hi = std::max(hi, last + 1);
@@ -466,7 +467,8 @@ void online_forward(const AttentionInputs<T>& in, const AttentionForwardOutputs<
       T* const out_rows = out.out + first_row * in.d_v;
       const KeySpan span = chunk_span(in, head, bh, row0, rows, non_finite, false);
       // A zero weight times a NaN or infinite value is NaN: no key is skipped inside the span of such a head.
-      const bool narrow = span.masked && !non_finite.any(in, head, bh);
+      // Nor in a chunk with a row that sees no key (uniform over all keys: skipping would only cost a redo).
+      const bool narrow = span.masked && !span.row_without_key && !non_finite.any(in, head, bh);
       if (!online_chunk(in, head, row0, rows, first_row, span, narrow, buf, out_rows, out.lse + first_row)) {
         online_chunk(in, head, row0, rows, first_row, KeySpan{0, in.len_k, head.mask != nullptr}, false, buf, out_rows,
                      out.lse + first_row);
@@ -544,6 +546,7 @@ template <typename T>
 struct RowSoftmax {
   T shift, scale;
   bool exact;
+  bool gathering = false;  // while row_softmax_constants sums the row: shift = max so far, scale = sum so far
 };
 
 // Zeroes dS where the scores were overwritten (mask == 0, or above the diagonal when causal); ds holds the
@@ -635,9 +638,20 @@ struct BackwardBuffers {
   std::vector<uint32_t> words;
 };
 
+// Whether query row `query` sees no key at all (mask, and causality with is_causal): all its scores are -1e9.
+template <typename T>
+bool sees_no_key(const AttentionInputs<T>& in, const Head<T>& head, int64_t query) {
+  const int64_t limit = in.is_causal ? std::min(in.len_k, query + 1) : in.len_k;
+  if (head.mask == nullptr) {
+    return limit == 0;
+  }
+  const auto [first, last] = visible_range(head.mask + query * in.mask_stride[2], in.mask_stride[3], limit);
+  return first > last;
+}
+
 // The softmax constants of a chunk's rows for fused_backward_row: from the saved lse, except for rows with
-// lse_near_fill, which take their max and sum over all keys in one more pass of scores (their chunk's span is
-// all keys: none of its keys is skipped).
+// lse_near_fill: uniform over all keys when the row sees no key, otherwise their max and sum over all keys in one
+// more pass of scores (their chunk's span is all keys: none of its keys is skipped).
 template <typename T>
 void row_softmax_constants(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, const Head<T>& head,
                            int64_t row0, int64_t rows, int64_t first_row, BackwardBuffers<T>& buf) {
@@ -646,8 +660,14 @@ void row_softmax_constants(const AttentionInputs<T>& in, const AttentionBackward
   for (int64_t r = 0; r < rows; ++r) {
     const T lse = g.lse[first_row + r];
     const bool exact = lse_near_fill(lse);
-    buf.softmax[r] = exact ? RowSoftmax<T>{kNegInf, T(0), true} : RowSoftmax<T>{lse, T(1), false};
-    any_exact = any_exact || exact;
+    if (!exact) {
+      buf.softmax[r] = {lse, T(1), false};
+    } else if (sees_no_key(in, head, row0 + r)) {  // every score is exactly -1e9: uniform over all keys
+      buf.softmax[r] = {T(kMaskedScore), T(1) / T(in.len_k), true};
+    } else {
+      buf.softmax[r] = {kNegInf, T(0), true, true};
+      any_exact = true;
+    }
   }
   if (!any_exact) {
     return;
@@ -659,14 +679,14 @@ void row_softmax_constants(const AttentionInputs<T>& in, const AttentionBackward
     for (int64_t r = 0; r < rows; ++r) {
       RowSoftmax<T>& row = buf.softmax[r];
       const T now = std::max(row.shift, row_max(buf.probs.data() + r * n, n));
-      if (row.exact && now != kNegInf) {
+      if (row.gathering && now != kNegInf) {
         row.scale = row.scale * std::exp(row.shift - now) + exp_shifted(buf.probs.data() + r * n, n, now);
         row.shift = now;
       }
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    if (buf.softmax[r].exact) buf.softmax[r].scale = T(1) / buf.softmax[r].scale;
+    if (buf.softmax[r].gathering) buf.softmax[r] = {buf.softmax[r].shift, T(1) / buf.softmax[r].scale, true};
   }
 }
 

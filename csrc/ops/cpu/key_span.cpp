@@ -14,6 +14,7 @@ namespace {
 // than split into two products.
 constexpr int64_t kSplitGap = 32;
 constexpr int64_t kVisibleRun = 64;
+constexpr int64_t kScanKeys = 64;
 
 // The first true entry of the n entries of a row, or n.
 int64_t first_visible(const bool* row, int64_t stride, int64_t n) {
@@ -91,31 +92,41 @@ KeyBlock next_visible_block(const bool* mask, int64_t row_stride, int64_t col_st
   if (lo == end) {
     return {end, end, false};
   }
-  // Which keys of the window some row sees (any) and every row sees (all), one pass over each row: the run ends
-  // at its last key some row sees before a gap of kSplitGap keys that every row hides.
+  // Which keys of the window some row sees (any) and every row sees (all), read kScanKeys keys at a time over
+  // all rows: the run ends at its last key some row sees before a gap of kSplitGap keys that every row hides
+  // (so a run of one key next to a gap reads no more than a segment of the mask).
   const int64_t n = std::min(lo + block, end) - lo;
   thread_local std::vector<uint8_t> any_buffer, all_buffer;
   any_buffer.assign(static_cast<size_t>(n), 0);
   all_buffer.assign(static_cast<size_t>(n), 1);
   uint8_t* __restrict any = any_buffer.data();
   uint8_t* __restrict all = all_buffer.data();
-  for (int64_t r = 0; r < distinct; ++r) {
-    const auto* __restrict keys = reinterpret_cast<const uint8_t*>(row(r, lo));
-    if (col_stride == 1) {  // vectorized
-      for (int64_t j = 0; j < n; ++j) {
-        any[j] |= keys[j];
-        all[j] &= keys[j];
-      }
-    } else {
-      for (int64_t j = 0; j < n; ++j) {
-        any[j] |= keys[j * col_stride];
-        all[j] &= keys[j * col_stride];
+  int64_t last = 0;  // key lo itself is seen
+  bool gap = false;
+  for (int64_t scanned = 0; scanned < n && !gap;) {
+    const int64_t next = std::min(scanned + kScanKeys, n);
+    for (int64_t r = 0; r < distinct; ++r) {
+      const auto* __restrict keys = reinterpret_cast<const uint8_t*>(row(r, lo));
+      if (col_stride == 1) {  // vectorized
+        for (int64_t j = scanned; j < next; ++j) {
+          any[j] |= keys[j];
+          all[j] &= keys[j];
+        }
+      } else {
+        for (int64_t j = scanned; j < next; ++j) {
+          any[j] |= keys[j * col_stride];
+          all[j] &= keys[j * col_stride];
+        }
       }
     }
-  }
-  int64_t last = 0;  // key lo itself is seen
-  for (int64_t j = 1; j < n && j - last <= kSplitGap; ++j) {
-    if (any[j]) last = j;
+    for (int64_t j = std::max<int64_t>(scanned, 1); j < next && !gap; ++j) {
+      if (any[j]) {
+        last = j;
+      } else {
+        gap = j - last >= kSplitGap;
+      }
+    }
+    scanned = next;
   }
   const void* hidden = std::memchr(all, 0, static_cast<size_t>(last + 1));
   if (hidden == nullptr) {
