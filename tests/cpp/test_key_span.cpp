@@ -1,0 +1,136 @@
+// The runs of keys the CPU kernels compute (ops/cpu/key_span.h), checked against their defining properties on
+// random and structured masks: every key some row sees lies in a run, runs start and end on such keys, stay
+// within the block size, and say `masked` exactly when some row hides a key inside them.
+#include <torch/torch.h>
+
+#include <catch2/catch.hpp>
+
+#include <vector>
+
+#include "ops/cpu/key_span.h"
+
+namespace {
+
+using fastmha::cpu::KeyBlock;
+using fastmha::cpu::next_visible_block;
+
+// A (rows, keys) bool mask read through the strides of `view` (a view of it, possibly transposed or broadcast).
+struct MaskView {
+  at::Tensor view;  // (rows, keys) bool
+  const bool* data() const { return view.const_data_ptr<bool>(); }
+  int64_t rows() const { return view.size(0); }
+  int64_t keys() const { return view.size(1); }
+  bool at(int64_t r, int64_t j) const { return data()[r * view.stride(0) + j * view.stride(1)]; }
+};
+
+bool seen_by_some_row(const MaskView& m, int64_t j) {
+  for (int64_t r = 0; r < m.rows(); ++r) {
+    if (m.at(r, j)) return true;
+  }
+  return false;
+}
+
+// Walks all runs of [0, keys) and checks them; returns how many keys the runs hold.
+int64_t check_runs(const MaskView& m, int64_t block) {
+  const int64_t keys = m.keys();
+  std::vector<bool> covered(static_cast<size_t>(keys), false);
+  int64_t from = 0, total = 0;
+  while (from < keys) {
+    const KeyBlock run = next_visible_block(m.data(), m.view.stride(0), m.view.stride(1), m.rows(), from, keys, block);
+    if (run.lo == keys) {
+      REQUIRE(run.hi == keys);
+      for (int64_t j = from; j < keys; ++j) REQUIRE_FALSE(seen_by_some_row(m, j));
+      break;
+    }
+    REQUIRE(from <= run.lo);
+    REQUIRE(run.lo < run.hi);
+    REQUIRE(run.hi <= keys);
+    REQUIRE(run.hi - run.lo <= block);
+    for (int64_t j = from; j < run.lo; ++j) REQUIRE_FALSE(seen_by_some_row(m, j));  // only hidden keys skipped
+    REQUIRE(seen_by_some_row(m, run.lo));
+    REQUIRE(seen_by_some_row(m, run.hi - 1));
+    bool hidden = false;
+    for (int64_t r = 0; r < m.rows(); ++r) {
+      for (int64_t j = run.lo; j < run.hi; ++j) hidden = hidden || !m.at(r, j);
+    }
+    REQUIRE(run.masked == hidden);
+    for (int64_t j = run.lo; j < run.hi; ++j) covered[static_cast<size_t>(j)] = true;
+    total += run.hi - run.lo;
+    from = run.hi;
+  }
+  for (int64_t j = 0; j < keys; ++j) {
+    if (seen_by_some_row(m, j)) REQUIRE(covered[static_cast<size_t>(j)]);
+  }
+  return total;
+}
+
+}  // namespace
+
+TEST_CASE("runs cover every key some row sees, in random masks of any density and layout", "[key_span]") {
+  torch::manual_seed(0);
+  for (double density : {0.0, 0.005, 0.05, 0.3, 0.9, 1.0}) {
+    for (int64_t block : {1, 7, 64, 300}) {
+      const auto mask = torch::rand({37, 500}) < density;
+      check_runs({mask}, block);                                    // contiguous
+      check_runs({mask.t().contiguous().t()}, block);               // keys 37 apart
+      check_runs({mask.narrow(0, 0, 1).expand({37, 500})}, block);  // one row shared (row stride 0)
+    }
+  }
+}
+
+TEST_CASE("runs skip the gaps of structured masks and read no mask where every row sees every key", "[key_span]") {
+  const auto rows = torch::arange(256).unsqueeze(1), cols = torch::arange(2048).unsqueeze(0);
+  const auto window = ((cols - rows - 1024).abs() <= 64) | (cols < 16);  // rows 1024..1279 of a long window
+  CHECK(check_runs({window}, 1024) == 16 + 256 + 128);
+  const auto causal = cols <= rows + 512;  // rows 512..767 of a causal triangle
+  check_runs({causal}, 1024);
+  const KeyBlock first = next_visible_block(causal.const_data_ptr<bool>(), 2048, 1, 256, 0, 2048, 1024);
+  CHECK(first.lo == 0);
+  CHECK(first.hi == 513);  // every row sees keys 0..512: read without the mask
+  CHECK_FALSE(first.masked);
+  const auto dilated = (cols % 40 == 0).expand({256, 2048});
+  CHECK(check_runs({dilated}, 1024) == (2048 + 39) / 40);
+}
+
+TEST_CASE("a mask broadcast over the keys is one value per row", "[key_span]") {
+  const auto per_row = torch::tensor({false, true, false}).unsqueeze(1).expand({3, 100});
+  const KeyBlock run = next_visible_block(per_row.const_data_ptr<bool>(), per_row.stride(0), 0, 3, 10, 100, 64);
+  CHECK(run.lo == 10);
+  CHECK(run.hi == 74);
+  CHECK(run.masked);
+  const auto none = torch::zeros({3, 1}, torch::kBool).expand({3, 100});
+  CHECK(next_visible_block(none.const_data_ptr<bool>(), 1, 0, 3, 0, 100, 64).lo == 100);
+}
+
+TEST_CASE("the kernel choice's share of computed keys", "[key_span]") {
+  using fastmha::cpu::computed_key_fraction;
+  CHECK(computed_key_fraction(torch::ones({1, 1, 1, 1000}, torch::kBool), 2, 8, 300, 1000) == 1.0);
+  const auto padding = (torch::arange(1000) < 250).reshape({1, 1, 1, 1000});
+  CHECK(computed_key_fraction(padding, 2, 8, 300, 1000) == Approx(0.25));
+  CHECK(computed_key_fraction(padding.to(torch::kFloat32), 2, 8, 300, 1000) == Approx(0.25));
+  CHECK(computed_key_fraction(torch::zeros({300, 1000}, torch::kInt64), 2, 8, 300, 1000) == 1.0);  // uniform rows
+  const auto blocks = torch::arange(1024).unsqueeze(1) / 64 == torch::arange(1024).unsqueeze(0) / 64;
+  CHECK(computed_key_fraction(blocks, 1, 1, 1024, 1024) == Approx(64.0 / 1024));
+}
+
+TEST_CASE("a run bridges gaps under 32 keys and splits off visible prefixes of 64 keys or more", "[key_span]") {
+  auto run_of = [](const at::Tensor& mask) {
+    return next_visible_block(mask.const_data_ptr<bool>(), mask.stride(0), 1, mask.size(0), 0, mask.size(1), 1024);
+  };
+  auto keys = torch::zeros({2, 200}, torch::kBool);
+  keys.narrow(1, 0, 10).fill_(true);
+  keys.narrow(1, 30, 10).fill_(true);  // a gap of 20 keys: one masked run over it
+  KeyBlock run = run_of(keys);
+  CHECK(run.hi == 40);
+  CHECK(run.masked);
+  keys.narrow(1, 80, 10).fill_(true);  // a gap of 40 keys: the run ends before it
+  CHECK(run_of(keys).hi == 40);
+  auto prefix = torch::ones({2, 200}, torch::kBool);
+  prefix[1].narrow(0, 40, 160).fill_(false);  // 40 keys every row sees, then one row only: one masked run
+  run = run_of(prefix);
+  CHECK((run.hi == 200 && run.masked));
+  prefix = torch::ones({2, 200}, torch::kBool);
+  prefix[1].narrow(0, 100, 100).fill_(false);  // 100 keys every row sees: a run of its own, no mask read
+  run = run_of(prefix);
+  CHECK((run.hi == 100 && !run.masked));
+}
