@@ -234,6 +234,16 @@ void block_scores(const AttentionInputs<T>& in, const Head<T>& head, int64_t row
   }
 }
 
+// next_visible_block over the chunk's mask rows: the next run of at most max_keys keys in [from, end) that some
+// row of the chunk sees.
+template <typename T>
+KeySpan visible_run(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows, int64_t from,
+                    int64_t end, int64_t max_keys) {
+  const KeyBlock run = next_visible_block(head.mask + row0 * in.mask_stride[2], in.mask_stride[2], in.mask_stride[3],
+                                          rows, from, end, max_keys);
+  return {run.lo, run.hi, run.masked};
+}
+
 // The next block of a chunk's span from key `from`: in.key_block keys, or, with `narrow` and a mask to read, the
 // next run of at most in.key_block keys that some row of the chunk sees (keys every row hides are skipped), read
 // without the mask when every row sees all of it. Empty when no row sees a key from `from` on.
@@ -243,9 +253,7 @@ KeySpan next_block(const AttentionInputs<T>& in, const Head<T>& head, int64_t ro
   if (!narrow || !span.masked) {
     return {from, std::min(from + in.key_block, span.hi), span.masked};
   }
-  const KeyBlock run = next_visible_block(head.mask + row0 * in.mask_stride[2], in.mask_stride[2], in.mask_stride[3],
-                                          rows, from, span.hi, in.key_block);
-  return {run.lo, run.hi, run.masked};
+  return visible_run(in, head, row0, rows, from, span.hi, in.key_block);
 }
 
 // Keys per run of the whole-row scores (next_visible_block): keys that every row of the chunk hides get -1e9
@@ -267,11 +275,10 @@ void span_scores(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0
     }
   };
   for (int64_t from = span.lo; from < span.hi;) {
-    const KeyBlock run = next_visible_block(head.mask + row0 * in.mask_stride[2], in.mask_stride[2], in.mask_stride[3],
-                                            rows, from, span.hi, kScoreRun);
+    const KeySpan run = visible_run(in, head, row0, rows, from, span.hi, kScoreRun);
     fill_masked(from, run.lo);
-    if (run.hi > run.lo) {
-      block_scores(in, head, row0, rows, KeySpan{run.lo, run.hi, run.masked}, scores + (run.lo - span.lo), ld);
+    if (run.size() > 0) {
+      block_scores(in, head, row0, rows, run, scores + (run.lo - span.lo), ld);
     }
     from = run.hi;
   }
@@ -380,6 +387,23 @@ KeySpan scores_for_chunk(const AttentionInputs<T>& in, const Head<T>& head, int6
   return all;
 }
 
+// Folds a block of a row's scores into its running max and sum (the online softmax): s becomes exp(s - max) and
+// the returned factor rescales what was accumulated against the old max (1 when it stayed). While every score so
+// far is -inf the row gets no weight yet: s becomes 0. A NaN max stays NaN.
+template <typename T>
+T fold_block(T* s, int64_t n, T& max, T& sum) {
+  const T block_max = row_max(s, n), old = max;
+  const T now = std::isnan(block_max) || block_max > old ? block_max : old;
+  if (now == -std::numeric_limits<T>::infinity()) {
+    std::fill(s, s + n, T(0));
+    return T(1);
+  }
+  const T rescale = std::exp(old - now);  // 0 for the first finite block
+  sum = sum * rescale + exp_shifted(s, n, now, std::isfinite(now));
+  max = now;
+  return rescale;
+}
+
 // Per-task buffers of the online-softmax forward: one key block of scores (and dropout multipliers) per row.
 template <typename T>
 struct OnlineBuffers {
@@ -414,15 +438,7 @@ bool online_chunk(const AttentionInputs<T>& in, const Head<T>& head, int64_t row
     }
     for (int64_t r = 0; r < rows; ++r) {
       T* s = buf.scores.data() + r * n;
-      const T block_max = row_max(s, n), old = buf.max[r];
-      const T now = std::isnan(block_max) || block_max > old ? block_max : old;  // a NaN stays
-      if (now == kNegInf) {  // every score so far is -inf: no weight yet
-        std::fill(s, s + n, T(0));
-        continue;
-      }
-      const T rescale = std::exp(old - now);  // 0 for the first finite block
-      buf.sum[r] = buf.sum[r] * rescale + exp_shifted(s, n, now, std::isfinite(now));
-      buf.max[r] = now;
+      const T rescale = fold_block(s, n, buf.max[r], buf.sum[r]);
       if (computed && rescale != T(1)) {
         scale_row(out_rows + r * in.d_v, in.d_v, rescale);
       }
@@ -677,12 +693,7 @@ void row_softmax_constants(const AttentionInputs<T>& in, const AttentionBackward
     const int64_t n = block.size();
     block_scores(in, head, row0, rows, block, buf.probs.data(), n);
     for (int64_t r = 0; r < rows; ++r) {
-      RowSoftmax<T>& row = buf.softmax[r];
-      const T now = std::max(row.shift, row_max(buf.probs.data() + r * n, n));
-      if (row.gathering && now != kNegInf) {
-        row.scale = row.scale * std::exp(row.shift - now) + exp_shifted(buf.probs.data() + r * n, n, now);
-        row.shift = now;
-      }
+      if (buf.softmax[r].gathering) fold_block(buf.probs.data() + r * n, n, buf.softmax[r].shift, buf.softmax[r].scale);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
