@@ -111,14 +111,14 @@ T exp_shifted(T* s, int64_t n, T max, bool fast = false) {
 }
 
 // In place: s <- exp(s - max(s)); returns {max, sum of the exponentials}. The caller normalizes, either the
-// row itself (weights kept) or, cheaper, the row's output after the GEMM.
+// row itself (weights kept) or, cheaper, the row's output after the GEMM. The same exp as the online forward's.
 template <typename T>
 std::pair<T, T> exp_row(T* s, int64_t n) {
   if (n == 0) {
     return {-std::numeric_limits<T>::infinity(), T(0)};
   }
   const T max = row_max(s, n);
-  return {max, exp_shifted(s, n, max)};
+  return {max, exp_shifted(s, n, max, std::isfinite(max))};
 }
 
 template <typename T>
