@@ -76,6 +76,15 @@ def torch_label(torch):
     return f"torch{major}.{minor}.{cuda}"
 
 
+def cmake_cache_value(build_dir, name):
+    """A variable of the configured build (CMakeCache.txt), which FASTMHA_CMAKE_ARGS may have overridden."""
+    for line in (Path(build_dir) / "CMakeCache.txt").read_text().splitlines():
+        key, _, value = line.partition("=")
+        if key.split(":")[0] == name:
+            return value
+    return None
+
+
 def write_build_info(torch, cuda, archs, directories):
     """What the binary was built for, read by fastmha/_loader.py before it loads the library."""
     info = {
@@ -134,6 +143,9 @@ class CMakeBuild(build_ext):
             targets.add(ROOT / "python" / "fastmha")
         for prefix in targets:
             subprocess.run([cmake, "--install", str(build_dir), "--prefix", str(prefix)], check=True)
+        # What was built, not what was asked for: FASTMHA_CMAKE_ARGS can turn the CUDA kernels off.
+        cuda = cmake_cache_value(build_dir, "FASTMHA_WITH_CUDA") in ("ON", "TRUE", "1")
+        archs = cmake_cache_value(build_dir, "TORCH_CUDA_ARCH_LIST") or archs
         write_build_info(torch, cuda, archs, targets)
 
 
