@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -21,6 +23,18 @@ def test_bench_cuda_smoke_writes_every_result_file(tmp_path):
     assert all(r["ms_fastmha"] > 0 and r["ms_oracle"] > 0 for r in rows)
 
 
+def test_bench_quick_run_times_every_peer_and_writes_every_result_file(tmp_path):
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--quick", "--out", str(tmp_path)],
+                   check=True, capture_output=True, timeout=300)
+    stems = {path.suffix: path for path in tmp_path.iterdir()}
+    assert set(stems) == {".json", ".csv", ".md", ".png"}
+    rows = json.loads(stems[".json"].read_text())["rows"]
+    peers = ("oracle", "sdpa", "mha_w", "mha_nw", "fastmha_w", "fastmha_nw", "bound")
+    assert len(rows) == 3 and all(r[f"t_{peer}_ms"] > 0 for r in rows for peer in peers)
+    assert all(r["speedup_bound_vs_oracle"] == pytest.approx(r["t_oracle_ms"] / r["t_bound_ms"]) for r in rows)
+    assert "bound vs oracle" in stems[".md"].read_text()
+
+
 def test_bench_kernel_choice_quick_run_with_every_mask(tmp_path):
     out = tmp_path / "choice"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_kernel_choice.py"), "--quick", "--dtypes",
@@ -33,10 +47,11 @@ def test_bench_kernel_choice_quick_run_with_every_mask(tmp_path):
     assert "| padding+causal | float32 |" in out.with_suffix(".md").read_text()
 
 
-def test_bench_model_quick_run_trains_and_decodes_with_both_blocks(tmp_path):
+def test_bench_model_quick_run_trains_and_decodes_with_every_block(tmp_path):
     out = tmp_path / "model"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_model.py"), "--quick", "--out", str(out)],
                    check=True, capture_output=True, timeout=300)
     result = json.loads(out.with_suffix(".json").read_text())
     assert [r["task"] for r in result["rows"]] == ["train", "decode"]
-    assert all(r["ms"]["oracle"] > 0 and r["ms"]["fastmha"] > 0 for r in result["rows"])
+    assert all(r["ms"][peer] > 0 for r in result["rows"] for peer in ("oracle", "fastmha", "bound"))
+    assert all(r["oracle_over_bound"] == round(r["ms"]["oracle"] / r["ms"]["bound"], 3) for r in result["rows"])
