@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 
 #include <fastmha/build_info.h>
+#include <fastmha/cpu_buffers.h>
 
 namespace py = pybind11;
 
@@ -19,4 +20,6 @@ PYBIND11_MODULE(_C, m) {
     return d;
   });
   m.def("cpu_capability", &fastmha::cpu_capability, "CPU kernel variant in use: avx512, avx2 or default");
+  m.def("release_cpu_buffers", &fastmha::release_cpu_buffers, "Frees the large CPU buffers kept for reuse");
+  m.def("cached_cpu_buffer_bytes", &fastmha::cached_cpu_buffer_bytes, "Bytes held in CPU buffers kept for reuse");
 }

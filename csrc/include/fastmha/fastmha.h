@@ -2,6 +2,7 @@
 #pragma once
 
 #include <fastmha/build_info.h>
+#include <fastmha/cpu_buffers.h>
 #include <fastmha/module.h>
 #include <fastmha/ops.h>
 #include <fastmha/serialize.h>

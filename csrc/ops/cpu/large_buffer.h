@@ -1,17 +1,21 @@
-// Fresh output buffers of many megabytes for the CPU kernels, backed by transparent huge pages where the OS
-// offers them.
+// Fresh output buffers of many megabytes for the CPU kernels: backed by transparent huge pages where the OS
+// offers them, and reused from call to call.
 #pragma once
 
 #include <ATen/ATen.h>
 
 namespace fastmha::cpu {
 
-// at::empty(sizes, options), with buffers of 4 MiB and more marked for transparent huge pages before anything
-// touches them. Such buffers (kept weights are batch x heads x Lq x Lk) are usually fresh memory on every call,
-// and the first write to each 4 KiB page faults: on Zen 3 the faults of a 128 MiB buffer cost about 60 ms, five
-// times the writes themselves. With huge pages there are 512 times fewer. Linux's default "madvise" mode gives
-// huge pages only to ranges marked so; torch marks all its CPU allocations the same way when
-// THP_MEM_ALLOC_ENABLE=1. Elsewhere, or when the OS declines, this is plain at::empty.
+// at::empty(sizes, options) for CPU buffers of 4 MiB and more from fastmha's own allocator. Such buffers (kept
+// weights are batch x heads x Lq x Lk; the backward's partial dK and dV) are otherwise fresh memory on every
+// call, and the OS zeroes each page at its first write: 67 MB cost about 22 ms on Zen 3, five times writing
+// them. The allocator
+//  - aligns them to 2 MiB and marks them for transparent huge pages (512 times fewer page faults; Linux's
+//    default "madvise" mode gives huge pages only to ranges marked so);
+//  - keeps up to 4 freed buffers (1 GiB in all) and hands one back to a later request of about its size
+//    (between half its size and all of it), whose pages are then already mapped. FASTMHA_CPU_REUSE_BUFFERS=0
+//    frees them at once; fastmha::release_cpu_buffers() (fastmha/cpu_buffers.h) frees the kept ones.
+// Smaller buffers, and other devices, get plain at::empty.
 at::Tensor empty_large(at::IntArrayRef sizes, const at::TensorOptions& options);
 
 }  // namespace fastmha::cpu
