@@ -26,7 +26,7 @@ from .serialization import load_cpp_state_dict  # noqa: E402
 def release_cpu_buffers() -> None:
     """Frees the CPU buffers of 4 MiB and more (kept attention weights, the backward's partial gradients) that
     fastmha keeps after their tensors are freed, so that a later call of about the same size finds its memory
-    already mapped instead of paying the OS for fresh zeroed pages. Up to 4 are kept, 1 GiB in all; tensors in use
+    already mapped instead of paying the OS for fresh zeroed pages. Up to 16 are kept, 1 GiB in all; tensors in use
     are not touched. ``FASTMHA_CPU_REUSE_BUFFERS=0`` (set before the first call) keeps none."""
     _C.release_cpu_buffers()
 

@@ -1,5 +1,5 @@
 // The CPU kernels' large buffers (ops/cpu/large_buffer.h): a freed one serves the next request of about its size,
-// within the pool's limits (4 buffers, 1 GiB), and smaller requests get plain tensors.
+// within the pool's limits (16 buffers, 1 GiB), and smaller requests get plain tensors.
 #include <fastmha/cpu_buffers.h>
 #include <torch/torch.h>
 
@@ -53,16 +53,16 @@ TEST_CASE("Buffers under 4 MiB are plain tensors and are not kept", "[large buff
   CHECK(fastmha::cached_cpu_buffer_bytes() == static_cast<size_t>(4 * kMiB));
 }
 
-TEST_CASE("At most 4 buffers and 1 GiB are kept, the newest", "[large buffer]") {
+TEST_CASE("At most 16 buffers and 1 GiB are kept, the newest", "[large buffer]") {
   fastmha::release_cpu_buffers();
   std::vector<at::Tensor> buffers;
-  for (int64_t mib = 4; mib <= 12; mib += 2) buffers.push_back(buffer_of(mib));
+  for (int64_t mib = 4; mib <= 36; mib += 2) buffers.push_back(buffer_of(mib));  // 17 buffers
   const void* six = buffers[1].data_ptr();
-  for (auto& b : buffers) b.reset();  // freed in order: 4, 6, 8, 10, 12 MiB; the 4 MiB one is dropped
-  CHECK(fastmha::cached_cpu_buffer_bytes() == static_cast<size_t>((6 + 8 + 10 + 12) * kMiB));
+  for (auto& b : buffers) b.reset();  // freed in order: 4, 6, ..., 36 MiB; the 4 MiB one is dropped
+  CHECK(fastmha::cached_cpu_buffer_bytes() == static_cast<size_t>((6 + 36) * 16 / 2 * kMiB));
   auto again = buffer_of(4);  // 6 and 8 MiB fit (at most twice 4): the smaller is taken
   CHECK(again.data_ptr() == six);
-  CHECK(fastmha::cached_cpu_buffer_bytes() == static_cast<size_t>((8 + 10 + 12) * kMiB));
+  CHECK(fastmha::cached_cpu_buffer_bytes() == static_cast<size_t>(((6 + 36) * 16 / 2 - 6) * kMiB));
   fastmha::release_cpu_buffers();
 
   // Untouched memory: these cost no pages.
@@ -104,6 +104,6 @@ TEST_CASE("Threads taking and freeing buffers at once", "[large buffer][concurre
     });
   }
   for (auto& thread : threads) thread.join();
-  CHECK(fastmha::cached_cpu_buffer_bytes() <= static_cast<size_t>(4 * 8 * kMiB));
+  CHECK(fastmha::cached_cpu_buffer_bytes() <= static_cast<size_t>(16 * 8 * kMiB));
   fastmha::release_cpu_buffers();
 }

@@ -1,6 +1,6 @@
 // The CPU buffers of 4 MiB and more that fastmha keeps for reuse (kept attention weights, the backward's
 // partial gradients): a freed one serves a later call of about its size, so its pages need no fresh mapping and
-// zeroing by the OS. Up to 4 are kept, 1 GiB in all; FASTMHA_CPU_REUSE_BUFFERS=0 keeps none.
+// zeroing by the OS. Up to 16 are kept, 1 GiB in all; FASTMHA_CPU_REUSE_BUFFERS=0 keeps none.
 #pragma once
 
 #include <cstddef>

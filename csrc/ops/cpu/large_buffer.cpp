@@ -25,7 +25,7 @@ namespace {
 
 constexpr size_t kHugePage = size_t{1} << 21;
 constexpr size_t kMinBytes = size_t{4} << 20;
-constexpr size_t kKeptBuffers = 4;
+constexpr size_t kKeptBuffers = 16;
 constexpr size_t kKeptBytes = size_t{1} << 30;  // what freed buffers may hold in all
 
 bool reuse_enabled() {
@@ -88,7 +88,7 @@ class BufferPool {
     return data;
   }
 
-  // Keeps the buffer at `data`, freeing the oldest kept ones beyond 4 buffers or 1 GiB; a buffer above 1 GiB,
+  // Keeps the buffer at `data`, freeing the oldest kept ones beyond 16 buffers or 1 GiB; a buffer above 1 GiB,
   // or any when reuse is off, is freed at once. Returns its capacity.
   size_t give_back(void* data) {
     std::deque<Buffer> evicted;

@@ -12,7 +12,7 @@ namespace fastmha::cpu {
 // them. The allocator
 //  - aligns them to 2 MiB and marks them for transparent huge pages (512 times fewer page faults; Linux's
 //    default "madvise" mode gives huge pages only to ranges marked so);
-//  - keeps up to 4 freed buffers (1 GiB in all) and hands one back to a later request of about its size
+//  - keeps up to 16 freed buffers (1 GiB in all) and hands one back to a later request of about its size
 //    (between half its size and all of it), whose pages are then already mapped. FASTMHA_CPU_REUSE_BUFFERS=0
 //    frees them at once; fastmha::release_cpu_buffers() (fastmha/cpu_buffers.h) frees the kept ones.
 // Smaller buffers, and other devices, get plain at::empty.
