@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "ops/cpu/cpu_capability.h"
+#include "ops/cpu/half_gemm.h"
 #include "ops/cpu/key_span.h"
 #include "ops/cuda/flash/kernel_common.h"
 #include "ops/stock/stock_attention.h"
@@ -176,7 +177,12 @@ void set_cuda_facts_provider(CudaFactsProvider provider) { cuda_facts_provider()
 
 KernelChoice choose_kernel(const AttentionCall& call) {
   if (call.query.is_cpu()) {
-    return choose_cpu(call);
+    auto choice = choose_cpu(call);
+    if (choice.kernel == AttentionKernel::kOwnCpu) {
+      const auto products = cpu::half_products_note(call.query.scalar_type(), call.pass == Pass::kForward);
+      choice.reason += products.empty() ? "" : "; " + products;
+    }
+    return choice;
   }
   if (call.query.is_cuda()) {
     return choose_cuda(call);

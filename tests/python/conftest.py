@@ -28,6 +28,18 @@ def assert_close(actual, expected, dtype):
     torch.testing.assert_close(actual.double(), expected.double(), **TOLERANCES[dtype])
 
 
+def assert_attention_close(got, want, dtype, need_weights):
+    """(output, weights, input gradients) of a call against the oracle's; kept weights are exactly zero where the
+    oracle's are (keys the kernels skipped are written as zeros, as the math gives)."""
+    (out, weights, grads), (ref_out, ref_weights, ref_grads) = got, want
+    assert_close(out, ref_out, dtype)
+    if need_weights:
+        assert_close(weights, ref_weights, dtype)
+        assert (weights[ref_weights == 0] == 0).all()
+    for g, w in zip(grads, ref_grads):
+        assert_close(g, w, dtype)
+
+
 @pytest.fixture(params=DEVICES)
 def device(request):
     return request.param

@@ -87,8 +87,10 @@ def test_cases_torchs_kernel_cannot_serve_stay_with_fastmha(monkeypatch):
 def test_switch_forces_a_kernel_and_rejects_unknown_values(monkeypatch):
     q, k, v = qkv(dtype=torch.bfloat16)
     monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
-    assert choices(q, k, v, need_weights=False) == {"forward": ("fastmha-cpu", "FASTMHA_CPU_KERNELS=own"),
-                                                    "backward": ("fastmha-cpu", "FASTMHA_CPU_KERNELS=own")}
+    widened = "bfloat16 products widened to float32"
+    assert choices(q, k, v, need_weights=False) == {
+        "forward": ("fastmha-cpu", f"FASTMHA_CPU_KERNELS=own; {widened} (FASTMHA_CPU_HALF_GEMM=widen)"),
+        "backward": ("fastmha-cpu", f"FASTMHA_CPU_KERNELS=own; {widened}")}
     monkeypatch.setenv("FASTMHA_CPU_KERNELS", "fast")
     with pytest.raises(RuntimeError, match="FASTMHA_CPU_KERNELS must be auto, own or stock, got 'fast'"):
         fastmha.explain(q, k, v, need_weights=False)

@@ -1,6 +1,7 @@
 // CPU kernels of the attention core: input checks, dtype handling and the hand-off to the fused kernels
 // (attention_kernel_impl.cpp, one variant per CPU capability). Half types are widened to fp32 for the
-// kernels and narrowed back, so scores, softmax and gradients accumulate in fp32.
+// kernels and narrowed back, so scores, softmax and gradients accumulate in fp32; the forward's two GEMMs can
+// also multiply them as they are (FASTMHA_CPU_HALF_GEMM, ops/cpu/half_gemm.h), still accumulating in fp32.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/OpMathType.h>
@@ -17,6 +18,7 @@
 #include "ops/checks.h"
 #include "ops/cpu/attention_params.h"
 #include "ops/cpu/cpu_capability.h"
+#include "ops/cpu/half_gemm.h"
 #include "ops/cpu/large_buffer.h"
 #include "ops/kernel_choice.h"
 #include "ops/stock/stock_attention.h"
@@ -82,6 +84,14 @@ cpu::AttentionInputs<T> kernel_inputs(const at::Tensor& q, const at::Tensor& k, 
   return in;
 }
 
+// The kernels' view of the half-type q/k/v (kernel operands in their own dtype).
+cpu::HalfOperands half_operands(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool vnni) {
+  auto strides = [](const at::Tensor& t) { return cpu::Strides3{t.stride(0), t.stride(1), t.stride(2)}; };
+  auto bits = [](const at::Tensor& t) { return static_cast<const uint16_t*>(t.const_data_ptr()); };
+  const auto kind = q.scalar_type() == at::kBFloat16 ? cpu::HalfKind::kBFloat16 : cpu::HalfKind::kFloat16;
+  return {bits(q), bits(k), bits(v), strides(q), strides(k), strides(v), kind, vnni};
+}
+
 // (seed, offset) of a fresh Philox stream from ATen's default CPU generator, under its lock.
 at::Tensor draw_rng_state() {
   auto* gen = at::get_generator_or_default<at::CPUGeneratorImpl>(std::nullopt, at::detail::getDefaultCPUGenerator());
@@ -142,11 +152,19 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
   auto logsumexp = at::empty({batch, heads, len_q}, acc_options);
   auto rng_state = dropout_p > 0 ? draw_rng_state() : at::zeros({2}, at::kLong);
   const auto q = kernel_operand(query, acc), k = kernel_operand(key, acc), v = kernel_operand(value, acc);
+  const auto half_mode = cpu::half_gemm_mode();
+  const bool half = cpu::multiplies_in_half_type(dtype, half_mode);
+  // The half-type operands of the products; the widened ones still serve the scans for non-finite keys.
+  const auto half_q = half ? kernel_operand(query, dtype) : at::Tensor();
+  const auto half_k = half ? kernel_operand(key, dtype) : at::Tensor();
+  const auto half_v = half ? kernel_operand(value, dtype) : at::Tensor();
   const auto mask_view = broadcast_mask(mask, query, key);
   const auto* state = rng_state.const_data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES(acc, "fastmha_cpu_attention_forward", [&] {
-    const auto in =
-        kernel_inputs<scalar_t>(q, k, v, mask_view, dropout_p, is_causal, state[0], state[1], Pass::kForward);
+    auto in = kernel_inputs<scalar_t>(q, k, v, mask_view, dropout_p, is_causal, state[0], state[1], Pass::kForward);
+    if (half) {
+      in.half = half_operands(half_q, half_k, half_v, half_mode == cpu::HalfGemmMode::kNative);
+    }
     const cpu::AttentionForwardOutputs<scalar_t> out{output.data_ptr<scalar_t>(),
                                                      need_weights ? weights.data_ptr<scalar_t>() : nullptr,
                                                      logsumexp.data_ptr<scalar_t>()};

@@ -48,14 +48,102 @@ struct Head {
   const T* k;
   const T* v;
   const bool* mask;  // row 0 of this head's mask, or nullptr
+  // The same rows in the half type when the forward's products run in it (in.half), otherwise nullptr.
+  const uint16_t* half_q = nullptr;
+  const uint16_t* half_k = nullptr;
+  const uint16_t* half_v = nullptr;
 };
 
 template <typename T>
 Head<T> head_pointers(const AttentionInputs<T>& in, int64_t bh) {
   const int64_t b = bh / in.heads, h = bh % in.heads;
   const bool* mask = in.mask ? in.mask + b * in.mask_stride[0] + h * in.mask_stride[1] : nullptr;
-  return {in.q + b * in.q_stride.batch + h * in.q_stride.head, in.k + b * in.k_stride.batch + h * in.k_stride.head,
-          in.v + b * in.v_stride.batch + h * in.v_stride.head, mask};
+  Head<T> head{in.q + b * in.q_stride.batch + h * in.q_stride.head, in.k + b * in.k_stride.batch + h * in.k_stride.head,
+               in.v + b * in.v_stride.batch + h * in.v_stride.head, mask};
+  if (const HalfOperands& half = in.half; half.q != nullptr) {
+    head.half_q = half.q + b * half.q_stride.batch + h * half.q_stride.head;
+    head.half_k = half.k + b * half.k_stride.batch + h * half.k_stride.head;
+    head.half_v = half.v + b * half.v_stride.batch + h * half.v_stride.head;
+  }
+  return head;
+}
+
+// At the end of a forward task: the native half-type kernels' per-thread hardware state is freed.
+template <typename T>
+void release_half_products(const AttentionInputs<T>& in) {
+  if (in.half.q != nullptr) {
+    half_gemm_release(in.half.vnni);
+  }
+}
+
+// The calling thread's operand buffers of the half-type products.
+struct HalfScratch {
+  std::vector<uint16_t> left, right;
+};
+inline HalfScratch& half_scratch() {
+  thread_local HalfScratch scratch;
+  return scratch;
+}
+
+// Rows of fp32 (row stride ld) rounded to the half type, with padded_depth(n) columns (zeros beyond n).
+template <typename T>
+void rows_to_half(HalfKind kind, const T* src, int64_t ld, int64_t rows, int64_t n, uint16_t* dst) {
+  if constexpr (std::is_same_v<T, float>) {
+    const int64_t depth = padded_depth(n);
+    for (int64_t r = 0; r < rows; ++r) {
+      uint16_t* row = dst + r * depth;
+      if (kind == HalfKind::kBFloat16) {
+        at::vec::convert(src + r * ld, reinterpret_cast<at::BFloat16*>(row), n);
+      } else {
+        at::vec::convert(src + r * ld, reinterpret_cast<at::Half*>(row), n);
+      }
+      std::fill(row + n, row + depth, uint16_t{0});
+    }
+  } else {
+    TORCH_INTERNAL_ASSERT(false, "half-type products take float scores");
+  }
+}
+
+// scores (rows x n, row stride ld) = q[row0 ..] . k[lo .. lo + n] in the half type, accumulated in fp32 (unscaled).
+template <typename T>
+void half_scores(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows, int64_t lo, int64_t n,
+                 T* scores, int64_t ld) {
+  if constexpr (std::is_same_v<T, float>) {
+    HalfScratch& scratch = half_scratch();
+    const int64_t depth = padded_depth(in.d_k);
+    scratch.left.resize(rows * depth);
+    scratch.right.resize(depth * n);
+    pad_rows(head.half_q + row0 * in.half.q_stride.row, in.half.q_stride.row, rows, in.d_k, scratch.left.data());
+    pack_transposed(head.half_k + lo * in.half.k_stride.row, in.half.k_stride.row, n, in.d_k, in.half.vnni,
+                    scratch.right.data());
+    half_gemm(in.half.kind, in.half.vnni, rows, n, depth, scratch.left.data(), depth, scratch.right.data(), scores, ld,
+              false);
+  } else {
+    TORCH_INTERNAL_ASSERT(false, "half-type products take float scores");
+  }
+}
+
+// out_rows (rows x d_v) (+)= p (rows x n, row stride ld) . v[lo .. lo + n]: in the half type when the forward's
+// products run in it (p rounded to it, as torch's flash kernel rounds its weights), otherwise in T.
+template <typename T>
+void apply_values(const AttentionInputs<T>& in, const Head<T>& head, const T* p, int64_t ld, int64_t rows, int64_t lo,
+                  int64_t n, T* out_rows, bool add) {
+  if (head.half_v == nullptr) {
+    gemm<T>(false, false, rows, in.d_v, n, T(1), p, ld, head.v + lo * in.v_stride.row, in.v_stride.row,
+            add ? T(1) : T(0), out_rows, in.d_v);
+    return;
+  }
+  HalfScratch& scratch = half_scratch();
+  const int64_t depth = padded_depth(n);
+  scratch.left.resize(rows * depth);
+  scratch.right.resize(depth * in.d_v);
+  rows_to_half(in.half.kind, p, ld, rows, n, scratch.left.data());
+  pack_rows(head.half_v + lo * in.half.v_stride.row, in.half.v_stride.row, n, in.d_v, in.half.vnni,
+            scratch.right.data());
+  if constexpr (std::is_same_v<T, float>) {
+    half_gemm(in.half.kind, in.half.vnni, rows, in.d_v, depth, scratch.left.data(), depth, scratch.right.data(),
+              out_rows, in.d_v, add);
+  }
 }
 
 // Writes -1e9 where the mask row is false (the mask is read through its broadcast strides).
@@ -221,10 +309,17 @@ template <typename T>
 void block_scores(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows, const KeySpan& block,
                   T* scores, int64_t ld) {
   const int64_t n = block.size();
-  gemm<T>(false, true, rows, n, in.d_k, in.scale, head.q + row0 * in.q_stride.row, in.q_stride.row,
-          head.k + block.lo * in.k_stride.row, in.k_stride.row, T(0), scores, ld);
+  if (head.half_q != nullptr) {
+    half_scores(in, head, row0, rows, block.lo, n, scores, ld);
+  } else {
+    gemm<T>(false, true, rows, n, in.d_k, in.scale, head.q + row0 * in.q_stride.row, in.q_stride.row,
+            head.k + block.lo * in.k_stride.row, in.k_stride.row, T(0), scores, ld);
+  }
   for (int64_t r = 0; r < rows; ++r) {
     T* s = scores + r * ld;
+    if (head.half_q != nullptr) {
+      scale_row(s, n, in.scale);
+    }
     if (block.masked) {
       apply_mask(s, n, head.mask + (row0 + r) * in.mask_stride[2] + block.lo * in.mask_stride[3], in.mask_stride[3]);
     }
@@ -446,8 +541,7 @@ bool online_chunk(const AttentionInputs<T>& in, const Head<T>& head, int64_t row
         at::vec::map2([](Vectorized<T> a, Vectorized<T> b) { return a * b; }, s, s, buf.keep.data() + r * n, n);
       }
     }
-    gemm<T>(false, false, rows, in.d_v, n, T(1), buf.scores.data(), n, head.v + block.lo * in.v_stride.row,
-            in.v_stride.row, computed ? T(1) : T(0), out_rows, in.d_v);
+    apply_values(in, head, buf.scores.data(), n, rows, block.lo, n, out_rows, computed);
     computed = true;
   }
   if (!computed) {  // no key at all (Lk = 0), or every key skipped: zero outputs
@@ -490,6 +584,7 @@ void online_forward(const AttentionInputs<T>& in, const AttentionForwardOutputs<
                      out.lse + first_row);
       }
     }
+    release_half_products(in);
   });
 }
 
@@ -536,13 +631,13 @@ void forward_impl(const AttentionInputs<T>& in, const AttentionForwardOutputs<T>
           write_weights_row(out.weights + (first_row + r) * ld, s, span.lo, span.hi, ld, inv_sum[r], stream_weights);
         }
       }
-      gemm<T>(false, false, rows, in.d_v, n, T(1), first, score_ld, head.v + span.lo * in.v_stride.row, in.v_stride.row,
-              T(0), out_rows, in.d_v);
+      apply_values(in, head, first, score_ld, rows, span.lo, n, out_rows, false);
       for (int64_t r = 0; r < rows; ++r) {  // normalize d_v outputs per row instead of Lk weights
         scale_row(out_rows + r * in.d_v, in.d_v, n > 0 ? inv_sum[r] : T(0));
       }
     }
     fence_streamed_stores();
+    release_half_products(in);
   });
 }
 

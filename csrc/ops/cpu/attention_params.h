@@ -1,15 +1,29 @@
 // What the fused CPU attention kernels read and write. Tensors arrive in the accumulation type T (float or
-// double; half types are widened by the caller); q/k/v rows have unit stride in the last dim and any other
-// strides; the mask is a bool view broadcast to (B, H, Lq, Lk) through its strides (zeros where broadcast).
+// double; half types are widened by the caller, and the forward may also get them as they are, HalfOperands); q/k/v
+// rows have unit stride in the last dim and any other strides; the mask is a bool view broadcast to (B, H, Lq, Lk)
+// through its strides (zeros where broadcast).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 
+#include "ops/cpu/half_gemm.h"
+
 namespace fastmha::cpu {
 
 struct Strides3 {
   int64_t batch, head, row;  // the last dim is contiguous
+};
+
+// The half-type q/k/v of a forward whose two GEMMs multiply in the half type (ops/cpu/half_gemm.h); rows have unit
+// stride. q == nullptr: the products run in T on the widened operands.
+struct HalfOperands {
+  const uint16_t* q = nullptr;
+  const uint16_t* k = nullptr;
+  const uint16_t* v = nullptr;
+  Strides3 q_stride{}, k_stride{}, v_stride{};
+  HalfKind kind = HalfKind::kBFloat16;
+  bool vnni = false;  // right operands packed for oneDNN's native kernels; plain for the reference GEMM
 };
 
 template <typename T>
@@ -26,6 +40,7 @@ struct AttentionInputs {
   double dropout_p;
   uint64_t seed, offset;  // Philox stream of this call's dropout
   int64_t key_block;      // keys per block of the online-softmax forward and the blocked backward (> 0)
+  HalfOperands half;      // forward only, T = float
 };
 
 template <typename T>

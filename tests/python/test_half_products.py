@@ -1,0 +1,161 @@
+"""The CPU forward's two products in the half type itself (FASTMHA_CPU_HALF_GEMM): S = Q K^T and O = P V with
+bfloat16 or float16 operands, accumulated in fp32, the weights P rounded to the half type for the second one.
+`reference` takes this path through ATen's reference GEMM on any CPU, so these cases check the packing, the
+zero padding of odd head sizes and the key skipping around the products against the float64 oracle; `native`
+runs the same path on oneDNN's kernels where the CPU multiplies the half type itself, and is checked alike there.
+"""
+
+import re
+
+import pytest
+import torch
+from conftest import assert_attention_close, assert_close
+from oracle import oracle_attention
+from philox_reference import expected_keep
+
+import fastmha
+
+B, H, LQ, LK, D, DV = 2, 2, 90, 150, 24, 40  # head sizes that are not multiples of the products' depth of 32
+HALF_TYPES = [torch.bfloat16, torch.float16]
+
+
+def products_note(dtype):
+    q = torch.randn(1, 1, 4, 8, dtype=dtype)
+    return fastmha.explain(q, q, q, None, 0.0, True).splitlines()[0]
+
+
+def native_products(dtype):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FASTMHA_CPU_HALF_GEMM", "native")
+        return "own instructions" in products_note(dtype)
+
+
+@pytest.fixture(params=["reference", "native"])
+def half_products(request, monkeypatch):
+    """The switch for a test parametrized by `dtype`."""
+    dtype = request.node.callspec.params["dtype"]
+    if request.param == "native" and not native_products(dtype):
+        pytest.skip(f"this CPU has no native {dtype} products")
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
+    monkeypatch.setenv("FASTMHA_CPU_HALF_GEMM", request.param)
+    return request.param
+
+
+def padding(lengths, lk=LK):
+    return (torch.arange(lk)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
+
+
+def mask_cases():
+    rows, cols = torch.arange(LQ)[:, None], torch.arange(LK)[None, :]
+    window = ((cols - rows).abs() <= 12) | (cols < 4)  # runs of keys every row of a chunk hides
+    no_key_rows = padding([LK, 30]).expand(B, 1, LQ, LK).clone()
+    no_key_rows[1, 0, [0, 40, LQ - 1]] = False  # uniform over all keys (the -1e9 rule)
+    return {
+        "none": None,
+        "padding 80%": padding([30, 20]),
+        "window and global keys": window,
+        "rows with no key": no_key_rows,
+    }
+
+
+def run_and_oracle(q, k, v, mask, need_weights, grad, dropout=(0.0, None)):
+    p, keep = dropout
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    out, weights = torch.ops.fastmha.attention(*inputs, mask, p, need_weights, False)
+    got = torch.autograd.grad(out, inputs, grad)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_weights = oracle_attention(*ref, mask, keep, p)
+    want = torch.autograd.grad(ref_out, ref, grad.double())
+    return (out, weights, got), (ref_out, ref_weights, want)
+
+
+def half_inputs(dtype, lq=LQ, lk=LK):
+    return (torch.randn(B, H, lq, D, dtype=dtype), torch.randn(B, H, lk, D, dtype=dtype),
+            torch.randn(B, H, lk, DV, dtype=dtype), torch.randn(B, H, lq, DV, dtype=dtype))
+
+
+@pytest.mark.parametrize("case", list(mask_cases()))
+@pytest.mark.parametrize("need_weights", [False, True], ids=["blocked", "kept weights"])
+@pytest.mark.parametrize("block", ["16", ""], ids=["block=16", "block=auto"])
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+def test_half_type_products_match_the_oracle(half_products, monkeypatch, case, need_weights, block, dtype):
+    monkeypatch.setenv("FASTMHA_CPU_KEY_BLOCK", block)
+    q, k, v, grad = half_inputs(dtype)
+    mask = mask_cases()[case]
+    got, want = run_and_oracle(q, k, v, mask, need_weights, grad)
+    assert got[0].dtype == dtype
+    assert_attention_close(got, want, dtype, need_weights)
+
+
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+def test_the_half_type_path_runs_its_own_products(half_products, monkeypatch, dtype):
+    assert ("reference GEMM" if half_products == "reference" else "own instructions") in products_note(dtype)
+    q, k, v, _ = half_inputs(dtype, lq=64, lk=200)
+    out, weights = torch.ops.fastmha.attention(q, k, v, None, 0.0, True, False)
+    monkeypatch.setenv("FASTMHA_CPU_HALF_GEMM", "widen")
+    widened, widened_weights = torch.ops.fastmha.attention(q, k, v, None, 0.0, True, False)
+    # The weights come from the same fp32-accumulated scores; the output differs where P's rounding shows.
+    assert_close(weights, widened_weights, dtype)
+    assert not torch.equal(out, widened)
+    assert_close(out, widened, dtype)
+
+
+@pytest.mark.parametrize("need_weights", [False, True], ids=["blocked", "kept weights"])
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+def test_dropout_with_half_type_products(half_products, need_weights, dtype):
+    q, k, v, grad = half_inputs(dtype)
+    mask = padding([60, 150])
+    torch.manual_seed(5)
+    _, _, _, rng_state = torch.ops.fastmha._attention_forward(q, k, v, mask, 0.2, need_weights, False)
+    seed, offset = (int(x) % 2**64 for x in rng_state.tolist())
+    keep = expected_keep(seed, offset, (B, H, LQ, LK), 0.2)
+    torch.manual_seed(5)
+    got, want = run_and_oracle(q, k, v, mask, need_weights, grad, (0.2, keep))
+    assert_attention_close(got, want, dtype, need_weights)
+
+
+@pytest.mark.parametrize("need_weights", [False, True], ids=["blocked", "kept weights"])
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+def test_nan_value_at_a_hidden_key_propagates_like_the_math(half_products, need_weights, dtype):
+    # A zero weight times a NaN value is NaN: the key no row sees must still be multiplied.
+    q, k, v, grad = half_inputs(dtype)
+    v[0, 1, 120, 5] = float("nan")
+    mask = padding([100, 100])
+    (out, _, _), (ref_out, _, _) = run_and_oracle(q, k, v, mask, need_weights, grad)
+    assert ref_out.isnan().any()
+    assert torch.equal(out.isnan(), ref_out.isnan())
+    assert_close(out.nan_to_num(), ref_out.nan_to_num(), dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+def test_native_without_the_instructions_widens(monkeypatch, dtype):
+    if native_products(dtype):
+        pytest.skip(f"this CPU multiplies {dtype} natively")
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
+    monkeypatch.setenv("FASTMHA_CPU_HALF_GEMM", "native")
+    assert "widened to float32: this CPU has no native" in products_note(dtype)
+    q, k, v, _ = half_inputs(dtype)
+    native = torch.ops.fastmha.attention(q, k, v, None, 0.0, True, False)
+    monkeypatch.setenv("FASTMHA_CPU_HALF_GEMM", "widen")
+    assert "widened to float32 (FASTMHA_CPU_HALF_GEMM=widen)" in products_note(dtype)
+    widened = torch.ops.fastmha.attention(q, k, v, None, 0.0, True, False)
+    for a, b in zip(native, widened):
+        assert torch.equal(a, b)
+
+
+def test_float_types_have_no_products_note(monkeypatch):
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
+    monkeypatch.setenv("FASTMHA_CPU_HALF_GEMM", "reference")
+    assert products_note(torch.float32) == "forward fastmha-cpu: the weights are kept: only fastmha's kernel returns " \
+                                           "them from a fused pass"
+
+
+def test_bad_switch_value_is_named(monkeypatch):
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
+    monkeypatch.setenv("FASTMHA_CPU_HALF_GEMM", "amx")
+    q = torch.randn(1, 1, 4, 8, dtype=torch.bfloat16)
+    message = re.escape("FASTMHA_CPU_HALF_GEMM must be widen, native or reference, got 'amx'")
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.fastmha.attention(q, q, q, None, 0.0, True, False)
+    with pytest.raises(RuntimeError, match=message):
+        fastmha.explain(q, q, q)
