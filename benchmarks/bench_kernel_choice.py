@@ -3,10 +3,13 @@ choice (csrc/ops/kernel_choice.cpp).
 
 For each dtype, length and pass (forward under no_grad; forward + backward), one round runs, interleaved:
   own    torch.ops.fastmha.attention with FASTMHA_CPU_KERNELS=own   (fastmha's fused kernels)
+  native the same with FASTMHA_CPU_HALF_GEMM=native as well        (half types only: the forward's products in
+         the half type on the CPU's own instructions where it has them; the same as own elsewhere)
   stock  the same op with FASTMHA_CPU_KERNELS=stock                 (torch's CPU flash kernel behind the layer)
   auto   the same op with the default choice                        (what users get)
   sdpa   F.scaled_dot_product_attention on the same tensors         (the peer)
-Inputs are (B, 8, L, d) with d = --head-dim (64), dropout 0, need_weights=False, and one of these masks
+Inputs are (B, 8, L, d) with d = --head-dim (64), dropout 0, need_weights=False (--need-weights: True for
+fastmha's calls, which then all run its own kernels), and one of these masks
 (--masks), which SDPA gets too (as a bool attn_mask):
   none            no mask
   padding         (B, 1, 1, L) int64, each sequence keeps its first 10-25% of the keys (a padded batch)
@@ -20,6 +23,7 @@ with the CPU model and ISA.
     python benchmarks/bench_kernel_choice.py --out benchmarks/results/kernel-choice-DATE
     python benchmarks/bench_kernel_choice.py --masks padding,padding+causal --out ...
     python benchmarks/bench_kernel_choice.py --dtypes float32 --head-dim 128 --sizes 2x1024,1x8192 --out ...
+    python benchmarks/bench_kernel_choice.py --dtypes bfloat16,float16 --need-weights --out ...  # native vs own
     python benchmarks/bench_kernel_choice.py --quick     # a smoke run (seconds)
 """
 
@@ -38,7 +42,8 @@ import torch.nn.functional as F
 import fastmha
 from fastmha.info import cpu_lines
 
-KERNELS = ["own", "stock", "auto", "sdpa"]
+KERNELS = ["own", "native", "stock", "auto", "sdpa"]
+HALF_TYPES = (torch.bfloat16, torch.float16)
 SIZES = [(16, 128), (4, 512), (2, 1024), (1, 4096)]  # (batch, length): about the same work each
 QUICK_SIZES = [(2, 64)]
 PADDED_SIZES = [(8, 350), (2, 1024), (1, 4096)]  # 350: the textbook's padded sentence length
@@ -63,39 +68,54 @@ def make_mask(kind, batch, length):
     return (visible[:, None, None, :] & torch.ones(length, length, dtype=torch.bool).tril()).to(torch.int64)
 
 
-def run_once(kernel, q, k, v, mask, backward):
+def run_once(kernel, q, k, v, mask, backward, need_weights):
     if kernel != "sdpa":
-        os.environ["FASTMHA_CPU_KERNELS"] = kernel
+        os.environ["FASTMHA_CPU_KERNELS"] = "own" if kernel == "native" else kernel
+        os.environ["FASTMHA_CPU_HALF_GEMM"] = "native" if kernel == "native" else "widen"
     start = time.perf_counter()
     with torch.set_grad_enabled(backward):
         if kernel == "sdpa":
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask != 0)
         else:
-            out, _ = torch.ops.fastmha.attention(q, k, v, mask, 0.0, False, False)
+            out, _ = torch.ops.fastmha.attention(q, k, v, mask, 0.0, need_weights, False)
         if backward:
             out.backward(torch.ones_like(out))
     return time.perf_counter() - start
 
 
-def measure(dtype, batch, length, head_dim, mask_kind, backward, repeats):
+def measure(dtype, batch, length, head_dim, mask_kind, backward, repeats, need_weights):
     q, k, v = (torch.randn(batch, 8, length, head_dim, dtype=dtype, requires_grad=backward) for _ in range(3))
     mask = make_mask(mask_kind, batch, length)
-    times = {kernel: [] for kernel in KERNELS}
-    for kernel in KERNELS:  # warm-up
-        run_once(kernel, q, k, v, mask, backward)
+    kernels = [kernel for kernel in KERNELS if kernel != "native" or dtype in HALF_TYPES]
+    times = {kernel: [] for kernel in kernels}
+    for kernel in kernels:  # warm-up
+        run_once(kernel, q, k, v, mask, backward, need_weights)
     for _ in range(repeats):
-        for kernel in KERNELS:
-            times[kernel].append(run_once(kernel, q, k, v, mask, backward))
+        for kernel in kernels:
+            times[kernel].append(run_once(kernel, q, k, v, mask, backward, need_weights))
     os.environ.pop("FASTMHA_CPU_KERNELS", None)
-    choice = fastmha.explain(q, k, v, mask, need_weights=False).splitlines()
+    os.environ.pop("FASTMHA_CPU_HALF_GEMM", None)
+    choice = fastmha.explain(q, k, v, mask, need_weights=need_weights).splitlines()
     medians = {kernel: statistics.median(t) for kernel, t in times.items()}
     return {
         "dtype": str(dtype).replace("torch.", ""), "batch": batch, "length": length, "head_dim": head_dim,
-        "mask": mask_kind,
+        "mask": mask_kind, "need_weights": need_weights,
         "pass": "fwd+bwd" if backward else "fwd", "ms": {k: round(t * 1e3, 3) for k, t in medians.items()},
-        "sdpa_over": {k: round(medians["sdpa"] / medians[k], 3) for k in ("own", "stock", "auto")},
+        "sdpa_over": {k: round(medians["sdpa"] / medians[k], 3) for k in medians if k != "sdpa"},
         "auto_runs": [line.split(":")[0] for line in choice],
     }
+
+
+def half_products_lines():
+    """Whether this CPU multiplies each half type natively (what the native column measures)."""
+    lines = []
+    for dtype in HALF_TYPES:
+        os.environ["FASTMHA_CPU_HALF_GEMM"] = "native"
+        q = torch.randn(1, 1, 4, 8, dtype=dtype)
+        note = fastmha.explain(q, q, q).splitlines()[0].split("; ")[-1]
+        lines.append(f"native column, {str(dtype).replace('torch.', '')}: {note}")
+    os.environ.pop("FASTMHA_CPU_HALF_GEMM", None)
+    return lines
 
 
 def main():
@@ -106,6 +126,7 @@ def main():
     parser.add_argument("--masks", default="none", help=f"comma-separated, of {MASKS}")
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--sizes", help="comma-separated BATCHxLENGTH (default: a list per mask kind)")
+    parser.add_argument("--need-weights", action="store_true", help="fastmha's calls keep the weights")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     chosen_sizes = [tuple(int(n) for n in size.split("x")) for size in args.sizes.split(",")] if args.sizes else None
@@ -115,7 +136,7 @@ def main():
     repeats = 1 if args.quick else args.repeats
     stamp = cpu_lines()
     header = [f"fastmha {fastmha.__version__} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
-              f"{datetime.date.today()}", *stamp]
+              f"{datetime.date.today()}", *stamp, *half_products_lines()]
     print("\n".join(header), flush=True)
     rows = []
     for mask_kind in masks:
@@ -124,28 +145,31 @@ def main():
             dtype = getattr(torch, dtype_name)
             for batch, length in sizes:
                 for backward in (False, True):
-                    row = measure(dtype, batch, length, args.head_dim, mask_kind, backward, repeats)
+                    row = measure(dtype, batch, length, args.head_dim, mask_kind, backward, repeats,
+                                  args.need_weights)
                     rows.append(row)
                     print(f"{mask_kind:14s} {row['dtype']:9s} B{batch:3d} L{length:5d} d{args.head_dim} "
                           f"{row['pass']:8s} "
-                          + " ".join(f"{k} {row['ms'][k]:9.2f} ms" for k in KERNELS)
-                          + " | sdpa/own {own:.2f} sdpa/stock {stock:.2f} sdpa/auto {auto:.2f}".format(
-                              **row["sdpa_over"]), flush=True)
+                          + " ".join(f"{k} {t:9.2f} ms" for k, t in row["ms"].items())
+                          + " | " + " ".join(f"sdpa/{k} {r:.2f}" for k, r in row["sdpa_over"].items()),
+                          flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.with_suffix(".json").write_text(json.dumps({"machine": header, "rows": rows}, indent=1) + "\n")
         lines = ["# CPU kernel choice: fastmha's kernel, torch's flash kernel, the default choice, and SDPA", "",
                  *[f"- {line}" for line in header], "",
-                 f"(B, 8, L, {args.head_dim}), dropout 0, need_weights=False, masks as in the script's docstring "
-                 f"(SDPA gets the same mask); medians of {repeats}; ratio = SDPA time / kernel time (> 1: faster "
-                 "than SDPA).", "",
-                 "| mask | dtype | B | L | pass | own ms | stock ms | auto ms | SDPA ms | SDPA/own | SDPA/stock "
-                 "| SDPA/auto | auto runs |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                 f"(B, 8, L, {args.head_dim}), dropout 0, need_weights={args.need_weights} for fastmha's calls, "
+                 "masks as in the script's docstring (SDPA gets the same mask); medians of "
+                 f"{repeats}; ratio = SDPA time / kernel time (> 1: faster than SDPA); native: half types only.", "",
+                 "| mask | dtype | B | L | pass | own ms | native ms | stock ms | auto ms | SDPA ms | SDPA/own "
+                 "| SDPA/native | SDPA/stock | SDPA/auto | auto runs |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
+            ms, over = r["ms"], r["sdpa_over"]
             lines.append(f"| {r['mask']} | {r['dtype']} | {r['batch']} | {r['length']} | {r['pass']} | "
-                         f"{r['ms']['own']} | {r['ms']['stock']} | {r['ms']['auto']} | {r['ms']['sdpa']} | "
-                         f"{r['sdpa_over']['own']} | "
-                         f"{r['sdpa_over']['stock']} | {r['sdpa_over']['auto']} | {', '.join(r['auto_runs'])} |")
+                         f"{ms['own']} | {ms.get('native', '-')} | {ms['stock']} | {ms['auto']} | {ms['sdpa']} | "
+                         f"{over['own']} | {over.get('native', '-')} | {over['stock']} | {over['auto']} | "
+                         f"{', '.join(r['auto_runs'])} |")
         args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     return 0
 

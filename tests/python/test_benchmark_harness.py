@@ -47,6 +47,15 @@ def test_bench_kernel_choice_quick_run_with_every_mask(tmp_path):
     assert "| padding+causal | float32 |" in out.with_suffix(".md").read_text()
 
 
+def test_bench_kernel_choice_measures_half_type_products_with_kept_weights(tmp_path):
+    out = tmp_path / "native"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_kernel_choice.py"), "--quick", "--dtypes",
+                    "bfloat16", "--need-weights", "--out", str(out)], check=True, capture_output=True, timeout=300)
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert all(r["need_weights"] and r["ms"]["native"] > 0 for r in result["rows"])
+    assert any(line.startswith("native column, bfloat16: bfloat16 products") for line in result["machine"])
+
+
 def test_bench_model_quick_run_trains_and_decodes_with_every_block(tmp_path):
     out = tmp_path / "model"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_model.py"), "--quick", "--out", str(out)],
