@@ -15,6 +15,10 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_PREFIX
 cmake --build "$build" -j "${MAX_JOBS:-2}" --target fastmha_tests
 if [ "$sanitizer" = thread ]; then
   export TSAN_OPTIONS="suppressions=$PWD/scripts/tsan.supp halt_on_error=1 second_deadlock_stack=1"
+  # One intra-op thread: at::parallel_for then runs in the calling thread, so TSan sees every access of the
+  # tests' own threads. OpenMP's workers synchronize in libgomp, which TSan cannot see: with them it reports
+  # their reads of a caller's stack against the caller's later reuse of that stack.
+  export OMP_NUM_THREADS=1
   "$build/tests/cpp/fastmha_tests" "[concurrency]"
 else
   # libtorch is not built with ASan: preload the runtime, and leaks inside torch's own allocations are not ours.

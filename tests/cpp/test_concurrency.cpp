@@ -5,6 +5,7 @@
 #include <fastmha/module.h>
 #include <fastmha/ops.h>
 #include <catch2/catch.hpp>
+#include <cstdlib>
 #include <thread>
 #include <vector>
 
@@ -76,4 +77,22 @@ TEST_CASE("results do not depend on the intra-op thread count", "[concurrency]")
   auto [out_all, w_all] = fastmha::attention(q, q, q, std::nullopt, 0.0, true);
   CHECK(torch::equal(out_one, out_all));
   CHECK(torch::equal(w_one, w_all));
+}
+
+TEST_CASE("concurrent bfloat16 forwards with half-type products match serial calls", "[concurrency][half gemm]") {
+  // The half-type products pack their operands in per-thread scratch buffers (ops/cpu/half_gemm.h).
+  setenv("FASTMHA_CPU_KERNELS", "own", 1);
+  setenv("FASTMHA_CPU_HALF_GEMM", "reference", 1);
+  torch::manual_seed(8);
+  std::vector<at::Tensor> q, k, masks, expected;
+  for (int i = 0; i < kCalls; ++i) {
+    q.push_back(torch::randn({1, 2, 40 + i, 24}).to(at::kBFloat16));
+    k.push_back(torch::randn({1, 2, 70 + 3 * i, 24}).to(at::kBFloat16));
+    masks.push_back(torch::rand({1, 1, 1, 70 + 3 * i}) > 0.5);
+    expected.push_back(std::get<0>(fastmha::attention(q[i], k[i], k[i], masks[i], 0.0, i % 2 == 0)));
+  }
+  check_concurrent(expected,
+                   [&](int i) { return std::get<0>(fastmha::attention(q[i], k[i], k[i], masks[i], 0.0, i % 2 == 0)); });
+  unsetenv("FASTMHA_CPU_HALF_GEMM");
+  unsetenv("FASTMHA_CPU_KERNELS");
 }
