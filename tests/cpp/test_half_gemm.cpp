@@ -20,13 +20,29 @@ std::vector<uint16_t> bits_of(const at::Tensor& t) {
   return {p, p + c.numel()};
 }
 
-// The packed right operand (depth x cols, as pack_* wrote it) unpacked into a dense float matrix.
+// The packed right operand (depth x cols, as pack_* wrote it) unpacked into a dense float matrix; whatever the
+// panels hold beyond cols must be zero.
 at::Tensor unpack(const std::vector<uint16_t>& packed, int64_t depth, int64_t cols, bool vnni, at::ScalarType dtype) {
-  std::vector<uint16_t> dense(static_cast<size_t>(depth * cols));
+  const int64_t panel_cols = fastmha::cpu::packed_size(depth, cols) / std::max<int64_t>(depth, 1);
+  std::vector<uint16_t> dense(static_cast<size_t>(depth * panel_cols));
   for (int64_t r = 0; r < depth; ++r) {
-    for (int64_t c = 0; c < cols; ++c) dense[r * cols + c] = packed[fastmha::cpu::packed_index(r, c, cols, vnni)];
+    for (int64_t c = 0; c < panel_cols; ++c) {
+      dense[r * panel_cols + c] = packed[fastmha::cpu::packed_index(r, c, depth, vnni)];
+    }
   }
-  return at::from_blob(dense.data(), {depth, cols}, at::TensorOptions().dtype(dtype)).to(at::kFloat);
+  const auto all = at::from_blob(dense.data(), {depth, panel_cols}, at::TensorOptions().dtype(dtype)).to(at::kFloat);
+  CHECK(at::equal(all.narrow(1, cols, panel_cols - cols), at::zeros({depth, panel_cols - cols})));
+  return all.narrow(1, 0, cols);
+}
+
+// A left operand (as pad_rows wrote it) as a dense float matrix of its padded rows and depth.
+at::Tensor unpack_left(const std::vector<uint16_t>& left, int64_t m, int64_t depth, at::ScalarType dtype) {
+  const int64_t rows = fastmha::cpu::padded_rows(m);
+  std::vector<uint16_t> dense(static_cast<size_t>(rows * depth));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t k = 0; k < depth; ++k) dense[r * depth + k] = left[fastmha::cpu::left_index(r, k, m)];
+  }
+  return at::from_blob(dense.data(), {rows, depth}, at::TensorOptions().dtype(dtype)).to(at::kFloat);
 }
 
 // Pads a matrix with zero rows up to `rows`.
@@ -36,44 +52,57 @@ at::Tensor zero_rows_to(const at::Tensor& m, int64_t rows) {
 
 }  // namespace
 
-TEST_CASE("The VNNI layout interleaves pairs of rows", "[half gemm]") {
+TEST_CASE("Panels of 64 columns, the VNNI layout interleaving pairs of rows", "[half gemm]") {
   using fastmha::cpu::packed_index;
-  CHECK(packed_index(0, 0, 5, true) == 0);
-  CHECK(packed_index(1, 0, 5, true) == 1);
-  CHECK(packed_index(0, 1, 5, true) == 2);
-  CHECK(packed_index(2, 0, 5, true) == 10);
-  CHECK(packed_index(3, 4, 5, true) == 19);
-  CHECK(packed_index(3, 4, 5, false) == 19);
-  CHECK(packed_index(2, 1, 5, false) == 11);
-  CHECK(fastmha::cpu::padded_depth(1) == 32);
+  CHECK(packed_index(0, 0, 128, true) == 0);
+  CHECK(packed_index(1, 0, 128, true) == 1);
+  CHECK(packed_index(0, 1, 128, true) == 2);
+  CHECK(packed_index(2, 0, 128, true) == 128);
+  CHECK(packed_index(3, 4, 128, true) == 128 + 9);
+  CHECK(packed_index(3, 4, 128, false) == 3 * 64 + 4);
+  CHECK(packed_index(0, 64, 128, false) == 128 * 64);  // the second panel
+  CHECK(packed_index(5, 70, 128, true) == 128 * 64 + (2 * 64 + 6) * 2 + 1);
+  CHECK(fastmha::cpu::packed_size(128, 65) == 128 * 128);
+  CHECK(fastmha::cpu::padded_depth(1) == 64);
   CHECK(fastmha::cpu::padded_depth(64) == 64);
-  CHECK(fastmha::cpu::padded_depth(65) == 96);
+  CHECK(fastmha::cpu::padded_depth(65) == 128);
+  CHECK(fastmha::cpu::padded_rows(1) == 16);
+  CHECK(fastmha::cpu::padded_rows(33) == 64);
+  CHECK(fastmha::cpu::left_index(2, 3, 20) == 2 * 512 + 3);
+  CHECK(fastmha::cpu::left_index(2, 515, 20) == (32 + 2) * 512 + 3);  // the second piece of 512 columns
 }
 
 TEST_CASE("Packed right operands hold the keys transposed and the values as rows, zeros beyond", "[half gemm]") {
   const auto dtype = GENERATE(at::kBFloat16, at::kHalf);
   const bool vnni = GENERATE(false, true);
   const int64_t d = GENERATE(20, 21);  // pairs of elements as words, or one element at a time
-  const int64_t n = 37, ld = 24;       // rows of d elements, 24 apart
+  const int64_t n = 77, ld = 24;       // rows of d elements, 24 apart: two panels of keys
   const auto rows = at::randn({n, ld}).to(dtype);
   const auto bits = bits_of(rows);
   const auto dense = rows.narrow(1, 0, d).to(at::kFloat);
 
   const int64_t depth_d = fastmha::cpu::padded_depth(d);
-  std::vector<uint16_t> keys(static_cast<size_t>(depth_d * n), 0xFFFF);
+  std::vector<uint16_t> keys(static_cast<size_t>(fastmha::cpu::packed_size(depth_d, n)), 0xFFFF);
   fastmha::cpu::pack_transposed(bits.data(), ld, n, d, vnni, keys.data());
   CHECK(at::equal(unpack(keys, depth_d, n, vnni, dtype), zero_rows_to(dense.t().contiguous(), depth_d)));
 
   const int64_t depth_n = fastmha::cpu::padded_depth(n);
-  std::vector<uint16_t> values(static_cast<size_t>(depth_n * d), 0xFFFF);
+  std::vector<uint16_t> values(static_cast<size_t>(fastmha::cpu::packed_size(depth_n, d)), 0xFFFF);
   fastmha::cpu::pack_rows(bits.data(), ld, n, d, vnni, values.data());
   CHECK(at::equal(unpack(values, depth_n, d, vnni, dtype), zero_rows_to(dense, depth_n)));
+}
 
-  std::vector<uint16_t> padded(static_cast<size_t>(n * depth_d), 0xFFFF);
-  fastmha::cpu::pad_rows(bits.data(), ld, n, d, padded.data());
-  const auto left = at::from_blob(padded.data(), {n, depth_d}, at::TensorOptions().dtype(dtype)).to(at::kFloat);
-  CHECK(at::equal(left.narrow(1, 0, d), dense));
-  CHECK(at::equal(left.narrow(1, d, depth_d - d), at::zeros({n, depth_d - d})));
+TEST_CASE("Left operands have padded rows and depth, zeros beyond, in pieces of 512 columns", "[half gemm]") {
+  const auto dtype = GENERATE(at::kBFloat16, at::kHalf);
+  const int64_t m = 37, d = GENERATE(int64_t{20}, int64_t{600}), ld = d + 5;
+  const auto rows = at::randn({m, ld}).to(dtype);
+  const auto bits = bits_of(rows);
+  const int64_t depth = fastmha::cpu::padded_depth(d), padded_m = fastmha::cpu::padded_rows(m);
+  std::vector<uint16_t> left(static_cast<size_t>(fastmha::cpu::left_size(m, depth)), 0xFFFF);
+  fastmha::cpu::pad_rows(bits.data(), ld, m, d, left.data());
+  const auto want = at::zeros({padded_m, depth});
+  want.narrow(0, 0, m).narrow(1, 0, d).copy_(rows.narrow(1, 0, d).to(at::kFloat));
+  CHECK(at::equal(unpack_left(left, m, depth, dtype), want));
 }
 
 namespace {
@@ -85,18 +114,19 @@ void check_half_gemm(at::ScalarType dtype, bool vnni, int64_t m, int64_t n, int6
   const auto a = at::randn({m, d}).to(dtype), b = at::randn({d, n}).to(dtype);
   const int64_t depth = fastmha::cpu::padded_depth(d);
   const auto a_bits = bits_of(a), b_t_bits = bits_of(b.t().contiguous());
-  std::vector<uint16_t> left(static_cast<size_t>(m * depth)), right(static_cast<size_t>(depth * n));
+  std::vector<uint16_t> left(static_cast<size_t>(fastmha::cpu::left_size(m, depth)));
+  std::vector<uint16_t> right(static_cast<size_t>(fastmha::cpu::packed_size(depth, n)));
   fastmha::cpu::pad_rows(a_bits.data(), d, m, d, left.data());
   fastmha::cpu::pack_transposed(b_t_bits.data(), d, n, d, vnni, right.data());  // B = (B^T)^T
+  const fastmha::cpu::HalfProductsTask task(vnni);
   const int64_t ldc = n + 3;
   auto c = at::full({m, ldc}, 7.0f);
-  fastmha::cpu::half_gemm(kind, vnni, m, n, depth, left.data(), depth, right.data(), c.data_ptr<float>(), ldc, false);
+  fastmha::cpu::half_gemm(kind, vnni, m, n, depth, left.data(), right.data(), c.data_ptr<float>(), ldc, false);
   const auto want = at::matmul(a.to(at::kFloat), b.to(at::kFloat));
   CHECK(at::allclose(c.narrow(1, 0, n), want, 1e-4, 1e-4));
   CHECK(at::equal(c.narrow(1, n, 3), at::full({m, 3}, 7.0f)));  // nothing written beyond n columns
-  fastmha::cpu::half_gemm(kind, vnni, m, n, depth, left.data(), depth, right.data(), c.data_ptr<float>(), ldc, true);
-  CHECK(at::allclose(c.narrow(1, 0, n), 2 * want, 1e-4, 1e-4));
-  fastmha::cpu::half_gemm_release(vnni);
+  fastmha::cpu::half_gemm(kind, vnni, m, n, depth, left.data(), right.data(), c.data_ptr<float>(), ldc, true, 0.5f);
+  CHECK(at::allclose(c.narrow(1, 0, n), 1.5 * want, 1e-4, 1e-4));
 }
 
 }  // namespace
@@ -105,6 +135,7 @@ TEST_CASE("Half-type products through ATen's reference GEMM (plain layout) match
   const auto dtype = GENERATE(at::kBFloat16, at::kHalf);
   check_half_gemm(dtype, false, 5, 7, 20);
   check_half_gemm(dtype, false, 33, 65, 64);
+  check_half_gemm(dtype, false, 17, 130, 1100);  // three panels, three pieces of the depth
 }
 
 TEST_CASE("Half-type products on the CPU's own instructions (VNNI layout) match fp32 products", "[half gemm]") {
@@ -115,5 +146,5 @@ TEST_CASE("Half-type products on the CPU's own instructions (VNNI layout) match 
   }
   check_half_gemm(dtype, true, 5, 7, 20);
   check_half_gemm(dtype, true, 256, 512, 64);   // the online forward's block shapes
-  check_half_gemm(dtype, true, 128, 64, 1000);  // weights times values over 1000 keys
+  check_half_gemm(dtype, true, 128, 64, 1000);  // weights times values over 1000 keys (two pieces)
 }

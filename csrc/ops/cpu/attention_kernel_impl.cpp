@@ -68,14 +68,6 @@ Head<T> head_pointers(const AttentionInputs<T>& in, int64_t bh) {
   return head;
 }
 
-// At the end of a forward task: the native half-type kernels' per-thread hardware state is freed.
-template <typename T>
-void release_half_products(const AttentionInputs<T>& in) {
-  if (in.half.q != nullptr) {
-    half_gemm_release(in.half.vnni);
-  }
-}
-
 // The calling thread's operand buffers of the half-type products.
 struct HalfScratch {
   std::vector<uint16_t> left, right;
@@ -85,39 +77,41 @@ inline HalfScratch& half_scratch() {
   return scratch;
 }
 
-// Rows of fp32 (row stride ld) rounded to the half type, with padded_depth(n) columns (zeros beyond n).
+// Rows of fp32 (row stride ld, n elements each) rounded to the half type as a left operand (half_gemm.h).
 template <typename T>
 void rows_to_half(HalfKind kind, const T* src, int64_t ld, int64_t rows, int64_t n, uint16_t* dst) {
   if constexpr (std::is_same_v<T, float>) {
-    const int64_t depth = padded_depth(n);
     for (int64_t r = 0; r < rows; ++r) {
-      uint16_t* row = dst + r * depth;
-      if (kind == HalfKind::kBFloat16) {
-        at::vec::convert(src + r * ld, reinterpret_cast<at::BFloat16*>(row), n);
-      } else {
-        at::vec::convert(src + r * ld, reinterpret_cast<at::Half*>(row), n);
+      for (int64_t k0 = 0; k0 < n; k0 += kMaxDepthPiece) {
+        const int64_t width = std::min(kMaxDepthPiece, n - k0);
+        uint16_t* out = dst + left_index(r, k0, rows);
+        if (kind == HalfKind::kBFloat16) {
+          at::vec::convert(src + r * ld + k0, reinterpret_cast<at::BFloat16*>(out), width);
+        } else {
+          at::vec::convert(src + r * ld + k0, reinterpret_cast<at::Half*>(out), width);
+        }
       }
-      std::fill(row + n, row + depth, uint16_t{0});
     }
+    zero_left_padding(rows, n, dst);
   } else {
     TORCH_INTERNAL_ASSERT(false, "half-type products take float scores");
   }
 }
 
-// scores (rows x n, row stride ld) = q[row0 ..] . k[lo .. lo + n] in the half type, accumulated in fp32 (unscaled).
+// scores (rows x n, row stride ld) = scale * q[row0 ..] . k[lo .. lo + n] in the half type, accumulated in fp32.
 template <typename T>
 void half_scores(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows, int64_t lo, int64_t n,
                  T* scores, int64_t ld) {
   if constexpr (std::is_same_v<T, float>) {
     HalfScratch& scratch = half_scratch();
     const int64_t depth = padded_depth(in.d_k);
-    scratch.left.resize(rows * depth);
-    scratch.right.resize(depth * n);
+    scratch.left.resize(left_size(rows, depth));
+    scratch.right.resize(packed_size(depth, n));
     pad_rows(head.half_q + row0 * in.half.q_stride.row, in.half.q_stride.row, rows, in.d_k, scratch.left.data());
     pack_transposed(head.half_k + lo * in.half.k_stride.row, in.half.k_stride.row, n, in.d_k, in.half.vnni,
                     scratch.right.data());
-    half_gemm(in.half.kind, in.half.vnni, rows, n, depth, scratch.left.data(), depth, scratch.right.data(), scores, ld,
-              false);
+    half_gemm(in.half.kind, in.half.vnni, rows, n, depth, scratch.left.data(), scratch.right.data(), scores, ld, false,
+              in.scale);
   } else {
     TORCH_INTERNAL_ASSERT(false, "half-type products take float scores");
   }
@@ -135,14 +129,14 @@ void apply_values(const AttentionInputs<T>& in, const Head<T>& head, const T* p,
   }
   HalfScratch& scratch = half_scratch();
   const int64_t depth = padded_depth(n);
-  scratch.left.resize(rows * depth);
-  scratch.right.resize(depth * in.d_v);
+  scratch.left.resize(left_size(rows, depth));
+  scratch.right.resize(packed_size(depth, in.d_v));
   rows_to_half(in.half.kind, p, ld, rows, n, scratch.left.data());
   pack_rows(head.half_v + lo * in.half.v_stride.row, in.half.v_stride.row, n, in.d_v, in.half.vnni,
             scratch.right.data());
   if constexpr (std::is_same_v<T, float>) {
-    half_gemm(in.half.kind, in.half.vnni, rows, in.d_v, depth, scratch.left.data(), depth, scratch.right.data(),
-              out_rows, in.d_v, add);
+    half_gemm(in.half.kind, in.half.vnni, rows, in.d_v, depth, scratch.left.data(), scratch.right.data(), out_rows,
+              in.d_v, add);
   }
 }
 
@@ -317,9 +311,6 @@ void block_scores(const AttentionInputs<T>& in, const Head<T>& head, int64_t row
   }
   for (int64_t r = 0; r < rows; ++r) {
     T* s = scores + r * ld;
-    if (head.half_q != nullptr) {
-      scale_row(s, n, in.scale);
-    }
     if (block.masked) {
       apply_mask(s, n, head.mask + (row0 + r) * in.mask_stride[2] + block.lo * in.mask_stride[3], in.mask_stride[3]);
     }
@@ -563,6 +554,7 @@ void online_forward(const AttentionInputs<T>& in, const AttentionForwardOutputs<
   const int64_t chunk = online_query_chunk(in.len_q, in.batch * in.heads, at::get_num_threads());
   const int64_t chunks = (in.len_q + chunk - 1) / chunk;
   at::parallel_for(0, in.batch * in.heads * chunks, 1, [&](int64_t begin, int64_t end) {
+    const HalfProductsTask half_products(in.half.vnni);
     OnlineBuffers<T> buf;
     buf.scores.resize(chunk * in.key_block);
     buf.keep.resize(in.dropout_p > 0 ? chunk * in.key_block : 0);
@@ -584,7 +576,6 @@ void online_forward(const AttentionInputs<T>& in, const AttentionForwardOutputs<
                      out.lse + first_row);
       }
     }
-    release_half_products(in);
   });
 }
 
@@ -602,6 +593,7 @@ void forward_impl(const AttentionInputs<T>& in, const AttentionForwardOutputs<T>
   const bool stream_weights =
       out.weights != nullptr && in.batch * in.heads * in.len_q * ld * int64_t(sizeof(T)) >= kStreamBytes;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    const HalfProductsTask half_products(in.half.vnni);
     // Scores are computed in a task buffer, packed to the span's width, also when the weights are kept: they
     // are then written out once, normalized, and the buffer stays in cache for the GEMM with V.
     std::vector<T> buffer(chunk * ld), inv_sum(chunk), keep(in.dropout_p > 0 ? chunk * ld : 0);
@@ -637,7 +629,6 @@ void forward_impl(const AttentionInputs<T>& in, const AttentionForwardOutputs<T>
       }
     }
     fence_streamed_stores();
-    release_half_products(in);
   });
 }
 

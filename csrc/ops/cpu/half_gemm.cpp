@@ -10,10 +10,45 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "ops/cpu/cpu_capability.h"
 
 namespace fastmha::cpu {
+namespace {
+
+uint16_t half_bits(HalfKind kind, float x) { return kind == HalfKind::kBFloat16 ? c10::BFloat16(x).x : c10::Half(x).x; }
+
+// One small product on oneDNN's native kernels with VNNI operands against its exact result (small integers, exact
+// in both half types and in fp32): false when the kernels refuse it or read another layout.
+bool native_products_work(HalfKind kind) {
+  constexpr int64_t m = 16, n = kPanel + 8, d = kDepthMultiple;
+  std::vector<uint16_t> a(static_cast<size_t>(m * d)), b(static_cast<size_t>(d * n));
+  std::vector<float> expected(static_cast<size_t>(m * n), 0.0f), got(static_cast<size_t>(m * n), 0.0f);
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t k = 0; k < d; ++k) a[r * d + k] = half_bits(kind, static_cast<float>((r + 2 * k) % 7 - 3));
+  }
+  for (int64_t k = 0; k < d; ++k) {
+    for (int64_t c = 0; c < n; ++c) b[k * n + c] = half_bits(kind, static_cast<float>((3 * k + c) % 5 - 2));
+  }
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t c = 0; c < n; ++c) {
+      for (int64_t k = 0; k < d; ++k) expected[r * n + c] += ((r + 2 * k) % 7 - 3) * ((3 * k + c) % 5 - 2);
+    }
+  }
+  std::vector<uint16_t> left(static_cast<size_t>(left_size(m, d))), right(static_cast<size_t>(packed_size(d, n)));
+  pad_rows(a.data(), d, m, d, left.data());
+  pack_rows(b.data(), n, d, n, true, right.data());
+  try {
+    HalfProductsTask task(true);
+    half_gemm(kind, true, m, n, d, left.data(), right.data(), got.data(), n, false);
+  } catch (const std::exception&) {
+    return false;
+  }
+  return got == expected;
+}
+
+}  // namespace
 
 HalfGemmMode half_gemm_mode() {
   // Read at every call, as the other switches: set it before the first forward.
@@ -26,11 +61,18 @@ HalfGemmMode half_gemm_mode() {
 }
 
 bool native_half_products(at::ScalarType dtype) {
-  if (!at::globalContext().userEnabledMkldnn()) {
-    return false;  // brgemm would fall back to the reference GEMM
+  if (!at::hasMKLDNN() || !at::globalContext().userEnabledMkldnn()) {
+    return false;  // brgemm would refuse VNNI operands
   }
-  if (dtype == at::kBFloat16) return native_bfloat16_products();
-  if (dtype == at::kHalf) return native_float16_products();
+  if (dtype == at::kBFloat16) {
+    static const bool works = native_bfloat16_products() && native_products_work(HalfKind::kBFloat16);
+    return works;
+  }
+  if (dtype == at::kHalf) {
+    // With AVX512-FP16 but no AMX-FP16, oneDNN computes float16 through fp32 and reads B row-major.
+    static const bool works = at::native::cpublas::could_pack(at::kHalf) && native_products_work(HalfKind::kFloat16);
+    return works;
+  }
   return false;
 }
 
@@ -64,49 +106,59 @@ std::string half_products_note(at::ScalarType dtype, bool forward) {
 
 void pack_transposed(const uint16_t* src, int64_t ld, int64_t n, int64_t d, bool vnni, uint16_t* dst) {
   const int64_t depth = padded_depth(d);
-  if (vnni && d % 2 == 0) {  // a pair of elements of a key is one 32-bit word: a transpose of words
-    for (int64_t j = 0; j < n; ++j) {
-      const uint16_t* row = src + j * ld;
-      for (int64_t p = 0; p < d / 2; ++p) std::memcpy(dst + (p * n + j) * 2, row + 2 * p, sizeof(uint32_t));
-    }
-    std::fill(dst + d * n, dst + depth * n, uint16_t{0});
-    return;
-  }
+  std::fill(dst, dst + packed_size(depth, n), uint16_t{0});
   for (int64_t j = 0; j < n; ++j) {
     const uint16_t* row = src + j * ld;
-    for (int64_t r = 0; r < d; ++r) dst[packed_index(r, j, n, vnni)] = row[r];
-    for (int64_t r = d; r < depth; ++r) dst[packed_index(r, j, n, vnni)] = 0;
+    if (vnni && d % 2 == 0) {  // a pair of elements of a key is one 32-bit word: a transpose of words
+      uint16_t* column = dst + packed_index(0, j, depth, true);
+      for (int64_t p = 0; p < d / 2; ++p) std::memcpy(column + p * kPanel * 2, row + 2 * p, sizeof(uint32_t));
+    } else {
+      for (int64_t r = 0; r < d; ++r) dst[packed_index(r, j, depth, vnni)] = row[r];
+    }
   }
 }
 
 void pack_rows(const uint16_t* src, int64_t ld, int64_t n, int64_t d, bool vnni, uint16_t* dst) {
   const int64_t depth = padded_depth(n);
-  if (!vnni) {
-    for (int64_t r = 0; r < n; ++r) std::memcpy(dst + r * d, src + r * ld, static_cast<size_t>(d) * sizeof(uint16_t));
-    std::fill(dst + n * d, dst + depth * d, uint16_t{0});
-    return;
+  std::fill(dst, dst + packed_size(depth, d), uint16_t{0});
+  for (int64_t r = 0; r < n; ++r) {
+    const uint16_t* row = src + r * ld;
+    for (int64_t c0 = 0; c0 < d; c0 += kPanel) {
+      const int64_t width = std::min(kPanel, d - c0);
+      if (vnni) {
+        uint16_t* out = dst + packed_index(r, c0, depth, true);
+        for (int64_t c = 0; c < width; ++c) out[2 * c] = row[c0 + c];
+      } else {
+        std::memcpy(dst + packed_index(r, c0, depth, false), row + c0, static_cast<size_t>(width) * sizeof(uint16_t));
+      }
+    }
   }
-  for (int64_t r = 0; r < depth; r += 2) {  // rows r and r + 1 interleaved
-    const uint16_t* even = r < n ? src + r * ld : nullptr;
-    const uint16_t* odd = r + 1 < n ? src + (r + 1) * ld : nullptr;
-    uint16_t* pair = dst + r * d;
-    for (int64_t c = 0; c < d; ++c) {
-      pair[2 * c] = even ? even[c] : uint16_t{0};
-      pair[2 * c + 1] = odd ? odd[c] : uint16_t{0};
+}
+
+void zero_left_padding(int64_t m, int64_t d, uint16_t* dst) {
+  const int64_t depth = padded_depth(d), rows = padded_rows(m);
+  for (int64_t k0 = 0; k0 < depth; k0 += kMaxDepthPiece) {
+    const int64_t end = std::min(kMaxDepthPiece, depth - k0);  // columns of this piece that are read
+    const int64_t valid = std::clamp<int64_t>(d - k0, 0, end);
+    for (int64_t r = 0; r < rows; ++r) {
+      uint16_t* row = dst + left_index(r, k0, m);
+      std::fill(row + (r < m ? valid : 0), row + end, uint16_t{0});
     }
   }
 }
 
 void pad_rows(const uint16_t* src, int64_t ld, int64_t m, int64_t d, uint16_t* dst) {
-  const int64_t depth = padded_depth(d);
   for (int64_t r = 0; r < m; ++r) {
-    std::memcpy(dst + r * depth, src + r * ld, static_cast<size_t>(d) * sizeof(uint16_t));
-    std::fill(dst + r * depth + d, dst + (r + 1) * depth, uint16_t{0});
+    for (int64_t k0 = 0; k0 < d; k0 += kMaxDepthPiece) {
+      const int64_t width = std::min(kMaxDepthPiece, d - k0);
+      std::memcpy(dst + left_index(r, k0, m), src + r * ld + k0, static_cast<size_t>(width) * sizeof(uint16_t));
+    }
   }
+  zero_left_padding(m, d, dst);
 }
 
-void half_gemm(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, const uint16_t* a, int64_t lda,
-               const uint16_t* b, float* c, int64_t ldc, bool add_c) {
+void half_gemm(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, const uint16_t* a, const uint16_t* b,
+               float* c, int64_t ldc, bool add_c, float alpha) {
   if (m == 0 || n == 0) {
     return;
   }
@@ -114,18 +166,39 @@ void half_gemm(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, co
     for (int64_t r = 0; r < m && !add_c; ++r) std::fill(c + r * ldc, c + r * ldc + n, 0.0f);
     return;
   }
-  namespace blas = at::native::cpublas;
-  if (kind == HalfKind::kBFloat16) {
-    blas::brgemm(m, n, depth, lda, n, ldc, add_c, reinterpret_cast<const at::BFloat16*>(a),
-                 reinterpret_cast<const at::BFloat16*>(b), c, vnni);
-  } else {
-    blas::brgemm(m, n, depth, lda, n, ldc, add_c, reinterpret_cast<const at::Half*>(a),
-                 reinterpret_cast<const at::Half*>(b), c, vnni);
+  thread_local std::vector<float> panel_out;  // one panel of C for all padded rows
+  const int64_t rows = padded_rows(m);
+  panel_out.resize(static_cast<size_t>(rows * kPanel));
+  for (int64_t c0 = 0; c0 < n; c0 += kPanel) {
+    for (int64_t k0 = 0; k0 < depth; k0 += kMaxDepthPiece) {
+      const int64_t piece = std::min(kMaxDepthPiece, depth - k0);
+      const uint16_t* left = a + left_index(0, k0, m);
+      const uint16_t* right = b + packed_index(k0, c0, depth, vnni);
+      if (kind == HalfKind::kBFloat16) {
+        at::native::cpublas::brgemm(rows, kPanel, piece, kMaxDepthPiece, kPanel, kPanel, k0 > 0,
+                                    reinterpret_cast<const at::BFloat16*>(left),
+                                    reinterpret_cast<const at::BFloat16*>(right), panel_out.data(), vnni);
+      } else {
+        at::native::cpublas::brgemm(rows, kPanel, piece, kMaxDepthPiece, kPanel, kPanel, k0 > 0,
+                                    reinterpret_cast<const at::Half*>(left), reinterpret_cast<const at::Half*>(right),
+                                    panel_out.data(), vnni);
+      }
+    }
+    const int64_t width = std::min(kPanel, n - c0);
+    for (int64_t r = 0; r < m; ++r) {
+      const float* from = panel_out.data() + r * kPanel;
+      float* to = c + r * ldc + c0;
+      if (add_c) {
+        for (int64_t j = 0; j < width; ++j) to[j] += alpha * from[j];
+      } else {
+        for (int64_t j = 0; j < width; ++j) to[j] = alpha * from[j];
+      }
+    }
   }
 }
 
-void half_gemm_release(bool vnni) {
-  if (vnni) {
+HalfProductsTask::~HalfProductsTask() {
+  if (vnni_) {
     at::native::cpublas::brgemm_release(true);
   }
 }

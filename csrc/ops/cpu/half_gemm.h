@@ -1,9 +1,13 @@
 // Products of half-type operands (bfloat16, float16) accumulated in fp32, for the CPU forward's two GEMMs,
 // S = Q K^T and O (+)= P V, without widening the operands. They run through ATen's batch-reduce GEMM
-// (at::native::cpublas::brgemm, oneDNN's kernels: AMX tiles or AVX512-BF16/FP16 dot products), whose right
-// operand comes packed: in the VNNI layout (pairs of rows interleaved) on those kernels, plain row-major for
-// ATen's reference GEMM, which serves CPUs without them (slow; the kernels there widen to fp32 instead, and
+// (at::native::cpublas::brgemm, oneDNN's kernels: AMX tiles or AVX512-BF16 dot products), whose right operand
+// comes packed: in the VNNI layout (pairs of rows interleaved) on those kernels, plain row-major for ATen's
+// reference GEMM, which serves CPUs without them (slow; the kernels there widen to fp32 instead, and
 // FASTMHA_CPU_HALF_GEMM=reference takes it only to test this path on any CPU).
+//
+// oneDNN compiles a kernel for every distinct shape and ATen keeps each one per thread for good, so every
+// product here is cut into a small fixed set of shapes: panels of kPanel columns, depths in pieces of at most
+// kMaxDepthPiece (multiples of kDepthMultiple), and rows padded to a power of two; the padding is zeros.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -21,7 +25,9 @@ enum class HalfKind : uint8_t { kBFloat16, kFloat16 };
 enum class HalfGemmMode { kWiden, kNative, kReference };
 HalfGemmMode half_gemm_mode();
 
-// Whether this CPU multiplies `dtype` natively in oneDNN's kernels (and oneDNN is enabled in torch).
+// Whether oneDNN multiplies `dtype` natively on this CPU with right operands in the VNNI layout: bfloat16 with
+// AVX512-BF16 or AMX, float16 with AMX-FP16 (AVX512-FP16 alone takes a plain layout there), checked once by a
+// small product against exact results; and oneDNN is enabled in torch.
 bool native_half_products(at::ScalarType dtype);
 
 // Whether a forward in `dtype` multiplies in it (a half type) under `mode`, rather than widened to fp32.
@@ -31,37 +37,72 @@ bool multiplies_in_half_type(at::ScalarType dtype, HalfGemmMode mode);
 // for float32 and float64.
 std::string half_products_note(at::ScalarType dtype, bool forward);
 
-// Every product's depth (the summed dimension) is padded with zeros to a multiple of this: a row of an AMX tile
-// holds 32 half-type values of the depth, and VNNI pairs need an even depth.
-constexpr int64_t kHalfDepthMultiple = 32;
-inline int64_t padded_depth(int64_t depth) {
-  return (depth + kHalfDepthMultiple - 1) / kHalfDepthMultiple * kHalfDepthMultiple;
+constexpr int64_t kPanel = 64;           // columns per panel of a packed right operand
+constexpr int64_t kDepthMultiple = 64;   // depths are padded with zeros to a multiple of this (even: VNNI pairs)
+constexpr int64_t kMaxDepthPiece = 512;  // depth per call of the kernel; longer sums add up pieces
+
+inline int64_t padded_depth(int64_t depth) { return (depth + kDepthMultiple - 1) / kDepthMultiple * kDepthMultiple; }
+
+// Rows of a left operand as the kernels see them: m padded to a power of two of at least 16 (zero rows beyond m).
+inline int64_t padded_rows(int64_t m) {
+  int64_t rows = 16;
+  while (rows < m) rows *= 2;
+  return rows;
 }
 
-// Where element (row r, column c) of a packed right operand with `cols` columns lives: r * cols + c when plain,
-// in pairs of rows ((r / 2) * cols + c) * 2 + r % 2 when vnni.
-inline int64_t packed_index(int64_t r, int64_t c, int64_t cols, bool vnni) {
-  return vnni ? ((r / 2) * cols + c) * 2 + r % 2 : r * cols + c;
+// Elements of a packed right operand with `depth` rows and `cols` columns: whole panels of kPanel columns.
+inline int64_t packed_size(int64_t depth, int64_t cols) { return (cols + kPanel - 1) / kPanel * kPanel * depth; }
+
+// Where element (row r, column c) of a packed right operand with `depth` rows lives: in panel c / kPanel (depth x
+// kPanel elements each), at (r, c % kPanel) row-major when plain, in pairs of rows when vnni.
+inline int64_t packed_index(int64_t r, int64_t c, int64_t depth, bool vnni) {
+  const int64_t panel = c / kPanel, col = c % kPanel;
+  return panel * depth * kPanel + (vnni ? ((r / 2) * kPanel + col) * 2 + r % 2 : r * kPanel + col);
 }
 
 // The right operand B = src^T, where src has `n` rows of `d` elements (row stride ld): B has padded_depth(d) rows
-// (zeros beyond d) and n columns. For S = Q K^T with src = a block of keys.
+// and n columns, zeros elsewhere in its packed_size. For S = Q K^T with src = a block of keys.
 void pack_transposed(const uint16_t* src, int64_t ld, int64_t n, int64_t d, bool vnni, uint16_t* dst);
 
 // The right operand B = src, where src has `n` rows of `d` elements (row stride ld): B has padded_depth(n) rows
-// (zeros beyond n) and d columns. For O = P V with src = a block of values.
+// and d columns, zeros elsewhere in its packed_size. For O = P V with src = a block of values.
 void pack_rows(const uint16_t* src, int64_t ld, int64_t n, int64_t d, bool vnni, uint16_t* dst);
 
-// A row-major left operand of m rows of `d` elements (row stride ld), copied with padded_depth(d) columns
-// (zeros beyond d).
+// Where element (row r, column k) of a left operand of m rows lives: in piece k / kMaxDepthPiece (padded_rows(m)
+// rows of kMaxDepthPiece elements each, so that every call sees the same row stride), at (r, k % kMaxDepthPiece).
+inline int64_t left_index(int64_t r, int64_t k, int64_t m) {
+  return (k / kMaxDepthPiece * padded_rows(m) + r) * kMaxDepthPiece + k % kMaxDepthPiece;
+}
+
+// Elements of a left operand of m rows and `depth` columns (the pieces a product reads).
+inline int64_t left_size(int64_t m, int64_t depth) {
+  return (depth + kMaxDepthPiece - 1) / kMaxDepthPiece * padded_rows(m) * kMaxDepthPiece;
+}
+
+// A left operand from m rows of `d` elements (row stride ld): padded_rows(m) rows of padded_depth(d) elements,
+// zeros beyond m and d (what lies beyond padded_depth(d) in a piece is never read).
 void pad_rows(const uint16_t* src, int64_t ld, int64_t m, int64_t d, uint16_t* dst);
 
-// C (m x n, fp32, row stride ldc) = A B (+ C when add_c): A is m x depth, row-major (row stride lda), B is
-// depth x n packed as above (vnni or plain), depth a multiple of kHalfDepthMultiple.
-void half_gemm(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, const uint16_t* a, int64_t lda,
-               const uint16_t* b, float* c, int64_t ldc, bool add_c);
+// The zeros of a left operand of m rows whose rows r < m hold their first `d` elements: rows beyond m and columns
+// d .. padded_depth(d).
+void zero_left_padding(int64_t m, int64_t d, uint16_t* dst);
 
-// Frees the calling thread's hardware state of the native kernels (AMX tile configuration) at the end of a task.
-void half_gemm_release(bool vnni);
+// C (m x n, fp32, row stride ldc) = alpha A B (+ C when add_c): A is a left operand of m rows laid out as above,
+// B is depth x n packed as above (vnni or plain), depth a multiple of kDepthMultiple.
+void half_gemm(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, const uint16_t* a, const uint16_t* b,
+               float* c, int64_t ldc, bool add_c, float alpha = 1.0f);
+
+// Frees the calling thread's hardware state of the native kernels (AMX tile configuration) when it goes out of
+// scope: one per task of a forward.
+class HalfProductsTask {
+ public:
+  explicit HalfProductsTask(bool vnni) : vnni_(vnni) {}
+  ~HalfProductsTask();
+  HalfProductsTask(const HalfProductsTask&) = delete;
+  HalfProductsTask& operator=(const HalfProductsTask&) = delete;
+
+ private:
+  bool vnni_;
+};
 
 }  // namespace fastmha::cpu
