@@ -1,5 +1,6 @@
-"""The CPU forward's two products in the half type itself (FASTMHA_CPU_HALF_GEMM): S = Q K^T and O = P V with
-bfloat16 or float16 operands, accumulated in fp32, the weights P rounded to the half type for the second one.
+"""The CPU kernels' products in the half type itself (FASTMHA_CPU_HALF_GEMM): the forward's S = Q K^T and O = P V
+and the blocked backward's dP = dO V^T, dV = W^T dO, dQ = dS K and dK = dS^T Q, with bfloat16 or float16
+operands accumulated in fp32, the weights W and score gradients dS rounded to the half type.
 `reference` takes this path through ATen's reference GEMM on any CPU, so these cases check the packing, the
 zero padding of odd head sizes and the key skipping around the products against the float64 oracle; `native`
 runs the same path on oneDNN's kernels where the CPU multiplies the half type itself, and is checked alike there.
@@ -90,14 +91,22 @@ def test_half_type_products_match_the_oracle(half_products, monkeypatch, case, n
 @pytest.mark.parametrize("dtype", HALF_TYPES)
 def test_the_half_type_path_runs_its_own_products(half_products, monkeypatch, dtype):
     assert ("reference GEMM" if half_products == "reference" else "own instructions") in products_note(dtype)
-    q, k, v, _ = half_inputs(dtype, lq=64, lk=200)
-    out, weights = torch.ops.fastmha.attention(q, k, v, None, 0.0, True, False)
+    q, k, v, grad = half_inputs(dtype, lq=64, lk=200)
+
+    def forward_backward():
+        inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+        out, weights = torch.ops.fastmha.attention(*inputs, None, 0.0, True, False)
+        return out, weights, torch.autograd.grad(out, inputs, grad)
+
+    out, weights, grads = forward_backward()
     monkeypatch.setenv("FASTMHA_CPU_HALF_GEMM", "widen")
-    widened, widened_weights = torch.ops.fastmha.attention(q, k, v, None, 0.0, True, False)
-    # The weights come from the same fp32-accumulated scores; the output differs where P's rounding shows.
+    widened, widened_weights, widened_grads = forward_backward()
+    # The weights come from the same fp32-accumulated scores; the output and the gradients differ where the
+    # rounding of the weights and of the score gradients to the half type shows.
     assert_close(weights, widened_weights, dtype)
-    assert not torch.equal(out, widened)
-    assert_close(out, widened, dtype)
+    for got, wide in zip((out, *grads), (widened, *widened_grads)):
+        assert not torch.equal(got, wide)
+        assert_close(got, wide, dtype)
 
 
 @pytest.mark.parametrize("need_weights", [False, True], ids=["blocked", "kept weights"])

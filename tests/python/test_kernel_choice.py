@@ -90,7 +90,7 @@ def test_switch_forces_a_kernel_and_rejects_unknown_values(monkeypatch):
     widened = "bfloat16 products widened to float32"
     assert choices(q, k, v, need_weights=False) == {
         "forward": ("fastmha-cpu", f"FASTMHA_CPU_KERNELS=own; {widened} (FASTMHA_CPU_HALF_GEMM=widen)"),
-        "backward": ("fastmha-cpu", f"FASTMHA_CPU_KERNELS=own; {widened}")}
+        "backward": ("fastmha-cpu", f"FASTMHA_CPU_KERNELS=own; {widened} (FASTMHA_CPU_HALF_GEMM=widen)")}
     monkeypatch.setenv("FASTMHA_CPU_KERNELS", "fast")
     with pytest.raises(RuntimeError, match="FASTMHA_CPU_KERNELS must be auto, own or stock, got 'fast'"):
         fastmha.explain(q, k, v, need_weights=False)

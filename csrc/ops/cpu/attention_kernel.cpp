@@ -1,7 +1,8 @@
 // CPU kernels of the attention core: input checks, dtype handling and the hand-off to the fused kernels
 // (attention_kernel_impl.cpp, one variant per CPU capability). Half types are widened to fp32 for the
-// kernels and narrowed back, so scores, softmax and gradients accumulate in fp32; the forward's two GEMMs can
-// also multiply them as they are (FASTMHA_CPU_HALF_GEMM, ops/cpu/half_gemm.h), still accumulating in fp32.
+// kernels and narrowed back, so scores, softmax and gradients accumulate in fp32; the GEMMs of the forward and
+// of the blocked backward can also multiply them as they are (FASTMHA_CPU_HALF_GEMM, ops/cpu/half_gemm.h), still
+// accumulating in fp32.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/OpMathType.h>
@@ -84,13 +85,26 @@ cpu::AttentionInputs<T> kernel_inputs(const at::Tensor& q, const at::Tensor& k, 
   return in;
 }
 
-// The kernels' view of the half-type q/k/v (kernel operands in their own dtype).
-cpu::HalfOperands half_operands(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool vnni) {
-  auto strides = [](const at::Tensor& t) { return cpu::Strides3{t.stride(0), t.stride(1), t.stride(2)}; };
-  auto bits = [](const at::Tensor& t) { return static_cast<const uint16_t*>(t.const_data_ptr()); };
-  const auto kind = q.scalar_type() == at::kBFloat16 ? cpu::HalfKind::kBFloat16 : cpu::HalfKind::kFloat16;
-  return {bits(q), bits(k), bits(v), strides(q), strides(k), strides(v), kind, vnni};
-}
+// q/k/v in their half type for the kernels' half-type products (empty when the products are widened).
+struct HalfInputs {
+  at::Tensor q, k, v;
+
+  HalfInputs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, bool wanted) {
+    if (wanted) {
+      q = kernel_operand(query, query.scalar_type());
+      k = kernel_operand(key, key.scalar_type());
+      v = kernel_operand(value, value.scalar_type());
+    }
+  }
+
+  // The kernels' view of them (rows of unit stride, any other strides).
+  cpu::HalfOperands view(bool vnni) const {
+    auto strides = [](const at::Tensor& t) { return cpu::Strides3{t.stride(0), t.stride(1), t.stride(2)}; };
+    auto bits = [](const at::Tensor& t) { return static_cast<const uint16_t*>(t.const_data_ptr()); };
+    const auto kind = q.scalar_type() == at::kBFloat16 ? cpu::HalfKind::kBFloat16 : cpu::HalfKind::kFloat16;
+    return {bits(q), bits(k), bits(v), strides(q), strides(k), strides(v), kind, vnni};
+  }
+};
 
 // (seed, offset) of a fresh Philox stream from ATen's default CPU generator, under its lock.
 at::Tensor draw_rng_state() {
@@ -155,15 +169,13 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
   const auto half_mode = cpu::half_gemm_mode();
   const bool half = cpu::multiplies_in_half_type(dtype, half_mode);
   // The half-type operands of the products; the widened ones still serve the scans for non-finite keys.
-  const auto half_q = half ? kernel_operand(query, dtype) : at::Tensor();
-  const auto half_k = half ? kernel_operand(key, dtype) : at::Tensor();
-  const auto half_v = half ? kernel_operand(value, dtype) : at::Tensor();
+  const HalfInputs half_inputs(query, key, value, half);
   const auto mask_view = broadcast_mask(mask, query, key);
   const auto* state = rng_state.const_data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES(acc, "fastmha_cpu_attention_forward", [&] {
     auto in = kernel_inputs<scalar_t>(q, k, v, mask_view, dropout_p, is_causal, state[0], state[1], Pass::kForward);
     if (half) {
-      in.half = half_operands(half_q, half_k, half_v, half_mode == cpu::HalfGemmMode::kNative);
+      in.half = half_inputs.view(half_mode == cpu::HalfGemmMode::kNative);
     }
     const cpu::AttentionForwardOutputs<scalar_t> out{output.data_ptr<scalar_t>(),
                                                      need_weights ? weights.data_ptr<scalar_t>() : nullptr,
@@ -212,14 +224,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
   const auto mask_view = broadcast_mask(mask, query, key);
   const auto state = rng_state.to(at::kCPU).contiguous();
   const auto* seed_offset = state.const_data_ptr<int64_t>();
+  // The blocked backward multiplies in the half type as the forward does (ops/cpu/half_gemm.h).
+  const auto half_mode = cpu::half_gemm_mode();
+  const bool half = use_output && cpu::multiplies_in_half_type(query.scalar_type(), half_mode);
+  const HalfInputs half_inputs(query, key, value, half);
+  const auto half_grad_out = half ? grad_output.to(query.scalar_type()).contiguous() : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES(acc, "fastmha_cpu_attention_backward", [&] {
-    const auto in = kernel_inputs<scalar_t>(q, k, v, mask_view, dropout_p, is_causal, seed_offset[0], seed_offset[1],
-                                            Pass::kBackward);
-    const cpu::AttentionBackwardTensors<scalar_t> grads{
+    auto in = kernel_inputs<scalar_t>(q, k, v, mask_view, dropout_p, is_causal, seed_offset[0], seed_offset[1],
+                                      Pass::kBackward);
+    cpu::AttentionBackwardTensors<scalar_t> grads{
         grad_out.const_data_ptr<scalar_t>(), has_grad_weights ? grad_w.const_data_ptr<scalar_t>() : nullptr,
         lse.const_data_ptr<scalar_t>(),      use_output ? out.const_data_ptr<scalar_t>() : nullptr,
         grad_q.data_ptr<scalar_t>(),         grad_k_partial.data_ptr<scalar_t>(),
         grad_v_partial.data_ptr<scalar_t>(), splits};
+    if (half) {
+      in.half = half_inputs.view(half_mode == cpu::HalfGemmMode::kNative);
+      grads.half_grad_out = static_cast<const uint16_t*>(half_grad_out.const_data_ptr());
+    }
     run_backward(in, grads);
   });
   auto reduce = [&](const at::Tensor& partial, int64_t d, const at::Tensor& like) {

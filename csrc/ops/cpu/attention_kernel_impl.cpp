@@ -140,6 +140,23 @@ void apply_values(const AttentionInputs<T>& in, const Head<T>& head, const T* p,
   }
 }
 
+// fp32 rows (rows x n, row stride ld) transposed and rounded to the half type: a left operand of n rows of `rows`
+// elements (half_gemm.h).
+template <typename T>
+void transposed_to_half(HalfKind kind, const T* src, int64_t ld, int64_t rows, int64_t n, uint16_t* dst) {
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const float x = src[r * ld + j];
+        dst[left_index(j, r, n)] = kind == HalfKind::kBFloat16 ? c10::BFloat16(x).x : c10::Half(x).x;
+      }
+    }
+    zero_left_padding(n, rows, dst);
+  } else {
+    TORCH_INTERNAL_ASSERT(false, "half-type products take float scores");
+  }
+}
+
 // Writes -1e9 where the mask row is false (the mask is read through its broadcast strides).
 template <typename T>
 void apply_mask(T* s, int64_t n, const bool* mask_row, int64_t col_stride) {
@@ -787,12 +804,64 @@ void row_softmax_constants(const AttentionInputs<T>& in, const AttentionBackward
   }
 }
 
+// The blocked backward's products of one block in the half type (in.half; see apply_values for the forward's):
+// dP = dO V^T into grad_w before fused_backward_row; after it, dV += W^T dO, dQ (+)= scale dS K and
+// dK += scale dS^T Q, with W (probs) and dS (grad_w) rounded to the half type.
+template <typename T>
+void half_grad_weights(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, const Head<T>& head,
+                       int64_t first_row, int64_t rows, int64_t lo, int64_t n, T* grad_w) {
+  if constexpr (std::is_same_v<T, float>) {
+    HalfScratch& scratch = half_scratch();
+    const int64_t depth = padded_depth(in.d_v);
+    scratch.left.resize(left_size(rows, depth));
+    scratch.right.resize(packed_size(depth, n));
+    pad_rows(g.half_grad_out + first_row * in.d_v, in.d_v, rows, in.d_v, scratch.left.data());
+    pack_transposed(head.half_v + lo * in.half.v_stride.row, in.half.v_stride.row, n, in.d_v, in.half.vnni,
+                    scratch.right.data());
+    half_gemm(in.half.kind, in.half.vnni, rows, n, depth, scratch.left.data(), scratch.right.data(), grad_w, n, false);
+  }
+}
+
+template <typename T>
+void half_block_gradients(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, const Head<T>& head,
+                          int64_t first_row, int64_t row0, int64_t rows, int64_t lo, int64_t n, const T* probs,
+                          const T* grad_w, T* grad_q, T* grad_k, T* grad_v, bool add_q) {
+  if constexpr (std::is_same_v<T, float>) {
+    HalfScratch& scratch = half_scratch();
+    const HalfKind kind = in.half.kind;
+    const bool vnni = in.half.vnni;
+    const uint16_t* grad_out = g.half_grad_out + first_row * in.d_v;
+    const uint16_t* q_rows = head.half_q + row0 * in.half.q_stride.row;
+    const int64_t by_rows = padded_depth(rows), by_keys = padded_depth(n);
+    // dV += W^T dO
+    scratch.left.resize(left_size(n, by_rows));
+    scratch.right.resize(packed_size(by_rows, std::max(in.d_v, in.d_k)));
+    transposed_to_half(kind, probs, n, rows, n, scratch.left.data());
+    pack_rows(grad_out, in.d_v, rows, in.d_v, vnni, scratch.right.data());
+    half_gemm(kind, vnni, n, in.d_v, by_rows, scratch.left.data(), scratch.right.data(), grad_v + lo * in.d_v, in.d_v,
+              true);
+    // dK += scale dS^T Q
+    transposed_to_half(kind, grad_w, n, rows, n, scratch.left.data());
+    pack_rows(q_rows, in.half.q_stride.row, rows, in.d_k, vnni, scratch.right.data());
+    half_gemm(kind, vnni, n, in.d_k, by_rows, scratch.left.data(), scratch.right.data(), grad_k + lo * in.d_k, in.d_k,
+              true, in.scale);
+    // dQ (+)= scale dS K
+    scratch.left.resize(left_size(rows, by_keys));
+    scratch.right.resize(packed_size(by_keys, in.d_k));
+    rows_to_half(kind, grad_w, n, rows, n, scratch.left.data());
+    pack_rows(head.half_k + lo * in.half.k_stride.row, in.half.k_stride.row, n, in.d_k, vnni, scratch.right.data());
+    half_gemm(kind, vnni, rows, in.d_k, by_keys, scratch.left.data(), scratch.right.data(), grad_q, in.d_k, add_q,
+              in.scale);
+  }
+}
+
 // Runs body(task, row0, rows, buffers) for every query chunk of `chunk` rows, the split tasks in parallel.
 template <typename T, typename Body>
 void for_each_backward_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, int64_t chunk,
                              int64_t width, const Body& body) {
   const int64_t chunks = (in.len_q + chunk - 1) / chunk;
   at::parallel_for(0, in.batch * in.heads * g.splits, 1, [&](int64_t begin, int64_t end) {
+    const HalfProductsTask half_products(in.half.vnni);
     BackwardBuffers<T> buf;
     buf.probs.resize(chunk * width);
     buf.grad_w.resize(chunk * width);
@@ -842,14 +911,24 @@ void blocked_backward(const AttentionInputs<T>& in, const AttentionBackwardTenso
           const T* v_part = head.v + lo * in.v_stride.row;
           const T* k_part = head.k + lo * in.k_stride.row;
           block_scores(in, head, row0, rows, part, probs.data(), n);
-          gemm<T>(false, true, rows, n, in.d_v, T(1), grad_out, in.d_v, v_part, in.v_stride.row, T(0), grad_w.data(),
-                  n);
+          if (head.half_v != nullptr) {
+            half_grad_weights(in, g, head, first_row, rows, lo, n, grad_w.data());
+          } else {
+            gemm<T>(false, true, rows, n, in.d_v, T(1), grad_out, in.d_v, v_part, in.v_stride.row, T(0), grad_w.data(),
+                    n);
+          }
           if (in.dropout_p > 0) {
             fill_chunk_keep(in, first_row, rows, part, words, keep.data());
           }
           for (int64_t r = 0; r < rows; ++r) {
             fused_backward_row(in, g, first_row + r, row0 + r, part, head, softmax[r], probs.data() + r * n,
                                grad_w.data() + r * n, in.dropout_p > 0 ? keep.data() + r * n : nullptr);
+          }
+          if (head.half_v != nullptr) {
+            half_block_gradients(in, g, head, first_row, row0, rows, lo, n, probs.data(), grad_w.data(), grad_q, grad_k,
+                                 grad_v, computed);
+            computed = true;
+            continue;
           }
           // dV += W^T dO ; dQ (+)= scale * dS K ; dK += scale * dS^T Q (over this block's keys)
           gemm<T>(true, false, n, in.d_v, rows, T(1), probs.data(), n, grad_out, in.d_v, T(1), grad_v + lo * in.d_v,

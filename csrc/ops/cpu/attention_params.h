@@ -15,8 +15,8 @@ struct Strides3 {
   int64_t batch, head, row;  // the last dim is contiguous
 };
 
-// The half-type q/k/v of a forward whose two GEMMs multiply in the half type (ops/cpu/half_gemm.h); rows have unit
-// stride. q == nullptr: the products run in T on the widened operands.
+// The half-type q/k/v of a forward or a blocked backward whose GEMMs multiply in the half type
+// (ops/cpu/half_gemm.h); rows have unit stride. q == nullptr: the products run in T on the widened operands.
 struct HalfOperands {
   const uint16_t* q = nullptr;
   const uint16_t* k = nullptr;
@@ -40,7 +40,7 @@ struct AttentionInputs {
   double dropout_p;
   uint64_t seed, offset;  // Philox stream of this call's dropout
   int64_t key_block;      // keys per block of the online-softmax forward and the blocked backward (> 0)
-  HalfOperands half;      // forward only, T = float
+  HalfOperands half;      // T = float only
 };
 
 template <typename T>
@@ -60,6 +60,8 @@ struct AttentionBackwardTensors {
   T* grad_k_partial;      // (B * H, splits, Lk, d_k): per-split partial sums, reduced by the caller
   T* grad_v_partial;      // (B * H, splits, Lk, d_v)
   int64_t splits;         // query-chunk ranges per head processed in parallel
+  // grad_out in the half type when the blocked backward's products run in it (AttentionInputs::half), or nullptr
+  const uint16_t* half_grad_out = nullptr;
 };
 
 // Rows of queries one task handles at a time: about 2 MiB of fp32 score rows per buffer (measured on a

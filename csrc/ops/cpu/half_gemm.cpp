@@ -89,15 +89,14 @@ std::string half_products_note(at::ScalarType dtype, bool forward) {
   }
   const std::string type = dtype == at::kBFloat16 ? "bfloat16" : "float16";
   const auto mode = half_gemm_mode();
-  if (!forward) {
-    return type + " products widened to float32";
-  }
+  // The backward that keeps whole score rows (a gradient of the weights, or no forward output) always widens.
+  const std::string unless = forward ? "" : " (widened when the weights get a gradient)";
   switch (mode) {
     case HalfGemmMode::kReference:
-      return type + " products in ATen's reference GEMM (FASTMHA_CPU_HALF_GEMM=reference)";
+      return type + " products in ATen's reference GEMM (FASTMHA_CPU_HALF_GEMM=reference)" + unless;
     case HalfGemmMode::kNative:
       return native_half_products(dtype)
-                 ? type + " products on this CPU's own instructions (oneDNN brgemm)"
+                 ? type + " products on this CPU's own instructions (oneDNN brgemm)" + unless
                  : type + " products widened to float32: this CPU has no native " + type + " products";
     default:
       return type + " products widened to float32 (FASTMHA_CPU_HALF_GEMM=widen)";

@@ -1,8 +1,8 @@
-// Products of half-type operands (bfloat16, float16) accumulated in fp32, for the CPU forward's two GEMMs,
-// S = Q K^T and O (+)= P V, without widening the operands. They run through ATen's batch-reduce GEMM
-// (at::native::cpublas::brgemm, oneDNN's kernels: AMX tiles or AVX512-BF16 dot products), whose right operand
-// comes packed: in the VNNI layout (pairs of rows interleaved) on those kernels, plain row-major for ATen's
-// reference GEMM, which serves CPUs without them (slow; the kernels there widen to fp32 instead, and
+// Products of half-type operands (bfloat16, float16) accumulated in fp32, for the CPU kernels' GEMMs (the
+// forward's S = Q K^T and O (+)= P V, the blocked backward's five), without widening the operands. They run through
+// ATen's batch-reduce GEMM (at::native::cpublas::brgemm, oneDNN's kernels: AMX tiles or AVX512-BF16 dot products),
+// whose right operand comes packed: in the VNNI layout (pairs of rows interleaved) on those kernels, plain row-major
+// for ATen's reference GEMM, which serves CPUs without them (slow; the kernels there widen to fp32 instead, and
 // FASTMHA_CPU_HALF_GEMM=reference takes it only to test this path on any CPU).
 //
 // oneDNN compiles a kernel for every distinct shape and ATen keeps each one per thread for good, so every
@@ -33,8 +33,8 @@ bool native_half_products(at::ScalarType dtype);
 // Whether a forward in `dtype` multiplies in it (a half type) under `mode`, rather than widened to fp32.
 bool multiplies_in_half_type(at::ScalarType dtype, HalfGemmMode mode);
 
-// How a forward (or a backward, which always widens) in `dtype` multiplies, in words, for fastmha.explain; empty
-// for float32 and float64.
+// How a forward or a backward in `dtype` multiplies, in words, for fastmha.explain; empty for float32 and
+// float64.
 std::string half_products_note(at::ScalarType dtype, bool forward);
 
 constexpr int64_t kPanel = 64;           // columns per panel of a packed right operand
