@@ -16,7 +16,7 @@ from philox_reference import expected_keep
 
 import fastmha
 
-B, H, LQ, LK, D, DV = 2, 2, 90, 150, 24, 40  # head sizes that are not multiples of the products' depth of 32
+B, H, LQ, LK, D, DV = 2, 2, 90, 150, 24, 40  # head sizes that are not multiples of the products' depth of 64
 HALF_TYPES = [torch.bfloat16, torch.float16]
 
 
@@ -86,6 +86,34 @@ def test_half_type_products_match_the_oracle(half_products, monkeypatch, case, n
     got, want = run_and_oracle(q, k, v, mask, need_weights, grad)
     assert got[0].dtype == dtype
     assert_attention_close(got, want, dtype, need_weights)
+
+
+@pytest.mark.parametrize("need_weights", [False, True], ids=["blocked", "kept weights"])
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+def test_large_heads_and_key_blocks(half_products, monkeypatch, need_weights, dtype):
+    # Head sizes over one panel of 64 columns, and key blocks of 600: depths in two pieces of at most 512.
+    monkeypatch.setenv("FASTMHA_CPU_KEY_BLOCK", "600")
+    q, k, v = (torch.randn(1, 2, n, d, dtype=dtype) for n, d in ((70, 80), (700, 80), (700, 130)))
+    grad = torch.randn(1, 2, 70, 130, dtype=dtype)
+    got, want = run_and_oracle(q, k, v, padding([650], lk=700), need_weights, grad)
+    assert_attention_close(got, want, dtype, need_weights)
+
+
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+def test_score_gradients_beyond_float16_range_before_their_scale(half_products, dtype):
+    # Two equal keys share the weight; values +-1000 along one axis and an output gradient of 200 there give
+    # score gradients of +-1e5, beyond float16's 65504, but scale * dS = 2e4 and every input gradient is finite.
+    q = torch.zeros(1, 1, 1, D, dtype=dtype)
+    q[..., 0] = 0.1
+    k = torch.ones(1, 1, 2, D, dtype=dtype)
+    v = torch.zeros(1, 1, 2, DV, dtype=dtype)
+    v[0, 0, 0, 0], v[0, 0, 1, 0] = 1000, -1000
+    grad = torch.zeros(1, 1, 1, DV, dtype=dtype)
+    grad[..., 0] = 200
+    got, want = run_and_oracle(q, k, v, None, False, grad)
+    assert all(w.isfinite().all() for w in want[2]) and want[2][1].abs().max() > 2000
+    for g, w in zip(got[2], want[2]):
+        assert_close(g / 2000, w / 2000, dtype)
 
 
 @pytest.mark.parametrize("dtype", HALF_TYPES)

@@ -48,7 +48,7 @@ struct Head {
   const T* k;
   const T* v;
   const bool* mask;  // row 0 of this head's mask, or nullptr
-  // The same rows in the half type when the forward's products run in it (in.half), otherwise nullptr.
+  // The same rows in the half type when the products run in it (in.half), otherwise nullptr.
   const uint16_t* half_q = nullptr;
   const uint16_t* half_k = nullptr;
   const uint16_t* half_v = nullptr;
@@ -819,14 +819,18 @@ void half_grad_weights(const AttentionInputs<T>& in, const AttentionBackwardTens
     pack_transposed(head.half_v + lo * in.half.v_stride.row, in.half.v_stride.row, n, in.d_v, in.half.vnni,
                     scratch.right.data());
     half_gemm(in.half.kind, in.half.vnni, rows, n, depth, scratch.left.data(), scratch.right.data(), grad_w, n, false);
+  } else {
+    TORCH_INTERNAL_ASSERT(false, "half-type products take float scores");
   }
 }
 
 template <typename T>
 void half_block_gradients(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, const Head<T>& head,
                           int64_t first_row, int64_t row0, int64_t rows, int64_t lo, int64_t n, const T* probs,
-                          const T* grad_w, T* grad_q, T* grad_k, T* grad_v, bool add_q) {
+                          T* grad_w, T* grad_q, T* grad_k, T* grad_v, bool add_q) {
   if constexpr (std::is_same_v<T, float>) {
+    // dS is rounded scaled: scale * dS stays finite in float16 where dS alone may not (a large output gradient).
+    for (int64_t r = 0; r < rows; ++r) scale_row(grad_w + r * n, n, in.scale);
     HalfScratch& scratch = half_scratch();
     const HalfKind kind = in.half.kind;
     const bool vnni = in.half.vnni;
@@ -844,14 +848,15 @@ void half_block_gradients(const AttentionInputs<T>& in, const AttentionBackwardT
     transposed_to_half(kind, grad_w, n, rows, n, scratch.left.data());
     pack_rows(q_rows, in.half.q_stride.row, rows, in.d_k, vnni, scratch.right.data());
     half_gemm(kind, vnni, n, in.d_k, by_rows, scratch.left.data(), scratch.right.data(), grad_k + lo * in.d_k, in.d_k,
-              true, in.scale);
+              true);
     // dQ (+)= scale dS K
     scratch.left.resize(left_size(rows, by_keys));
     scratch.right.resize(packed_size(by_keys, in.d_k));
     rows_to_half(kind, grad_w, n, rows, n, scratch.left.data());
     pack_rows(head.half_k + lo * in.half.k_stride.row, in.half.k_stride.row, n, in.d_k, vnni, scratch.right.data());
-    half_gemm(kind, vnni, rows, in.d_k, by_keys, scratch.left.data(), scratch.right.data(), grad_q, in.d_k, add_q,
-              in.scale);
+    half_gemm(kind, vnni, rows, in.d_k, by_keys, scratch.left.data(), scratch.right.data(), grad_q, in.d_k, add_q);
+  } else {
+    TORCH_INTERNAL_ASSERT(false, "half-type products take float scores");
   }
 }
 
@@ -911,7 +916,7 @@ void blocked_backward(const AttentionInputs<T>& in, const AttentionBackwardTenso
           const T* v_part = head.v + lo * in.v_stride.row;
           const T* k_part = head.k + lo * in.k_stride.row;
           block_scores(in, head, row0, rows, part, probs.data(), n);
-          if (head.half_v != nullptr) {
+          if (in.half.q != nullptr) {
             half_grad_weights(in, g, head, first_row, rows, lo, n, grad_w.data());
           } else {
             gemm<T>(false, true, rows, n, in.d_v, T(1), grad_out, in.d_v, v_part, in.v_stride.row, T(0), grad_w.data(),
@@ -924,7 +929,7 @@ void blocked_backward(const AttentionInputs<T>& in, const AttentionBackwardTenso
             fused_backward_row(in, g, first_row + r, row0 + r, part, head, softmax[r], probs.data() + r * n,
                                grad_w.data() + r * n, in.dropout_p > 0 ? keep.data() + r * n : nullptr);
           }
-          if (head.half_v != nullptr) {
+          if (in.half.q != nullptr) {
             half_block_gradients(in, g, head, first_row, row0, rows, lo, n, probs.data(), grad_w.data(), grad_q, grad_k,
                                  grad_v, computed);
             computed = true;
@@ -950,6 +955,7 @@ void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<
   if (g.out != nullptr && g.grad_weights == nullptr) {
     return blocked_backward(in, g);
   }
+  TORCH_INTERNAL_ASSERT(in.half.q == nullptr, "the backward that keeps whole score rows multiplies widened");
   using Vec = Vectorized<T>;
   const int64_t chunk = backward_query_chunk(false, in.len_q, in.len_k, in.batch * in.heads, at::get_num_threads());
   const int64_t ld = in.len_k;

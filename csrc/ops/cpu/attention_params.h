@@ -1,5 +1,5 @@
 // What the fused CPU attention kernels read and write. Tensors arrive in the accumulation type T (float or
-// double; half types are widened by the caller, and the forward may also get them as they are, HalfOperands); q/k/v
+// double; half types are widened by the caller, and may also come as they are, HalfOperands); q/k/v
 // rows have unit stride in the last dim and any other strides; the mask is a bool view broadcast to (B, H, Lq, Lk)
 // through its strides (zeros where broadcast).
 #pragma once

@@ -89,7 +89,8 @@ std::string half_products_note(at::ScalarType dtype, bool forward) {
   }
   const std::string type = dtype == at::kBFloat16 ? "bfloat16" : "float16";
   const auto mode = half_gemm_mode();
-  // The backward that keeps whole score rows (a gradient of the weights, or no forward output) always widens.
+  // The backward that keeps whole score rows always widens: a gradient of the weights, or a forward output it
+  // cannot use (none, or not finite in float16).
   const std::string unless = forward ? "" : " (widened when the weights get a gradient)";
   switch (mode) {
     case HalfGemmMode::kReference:
