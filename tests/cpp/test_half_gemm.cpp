@@ -138,6 +138,14 @@ TEST_CASE("Half-type products through ATen's reference GEMM (plain layout) match
   check_half_gemm(dtype, false, 17, 130, 1100);  // three panels, three pieces of the depth
 }
 
+TEST_CASE("The probe of the native kernels: exact on the reference GEMM, false where they refuse", "[half gemm]") {
+  const auto kind = GENERATE(HalfKind::kBFloat16, HalfKind::kFloat16);
+  const auto dtype = kind == HalfKind::kBFloat16 ? at::kBFloat16 : at::kHalf;
+  CHECK(fastmha::cpu::half_products_probe(kind, false));
+  // On a CPU without the kernels ATen refuses VNNI operands: the probe says no instead of throwing.
+  CHECK(fastmha::cpu::half_products_probe(kind, true) == fastmha::cpu::native_half_products(dtype));
+}
+
 TEST_CASE("Half-type products on the CPU's own instructions (VNNI layout) match fp32 products", "[half gemm]") {
   const auto dtype = GENERATE(at::kBFloat16, at::kHalf);
   if (!fastmha::cpu::native_half_products(dtype)) {

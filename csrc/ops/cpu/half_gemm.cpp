@@ -19,9 +19,9 @@ namespace {
 
 uint16_t half_bits(HalfKind kind, float x) { return kind == HalfKind::kBFloat16 ? c10::BFloat16(x).x : c10::Half(x).x; }
 
-// One small product on oneDNN's native kernels with VNNI operands against its exact result (small integers, exact
-// in both half types and in fp32): false when the kernels refuse it or read another layout.
-bool native_products_work(HalfKind kind) {
+}  // namespace
+
+bool half_products_probe(HalfKind kind, bool vnni) {
   constexpr int64_t m = 16, n = kPanel + 8, d = kDepthMultiple;
   std::vector<uint16_t> a(static_cast<size_t>(m * d)), b(static_cast<size_t>(d * n));
   std::vector<float> expected(static_cast<size_t>(m * n), 0.0f), got(static_cast<size_t>(m * n), 0.0f);
@@ -38,17 +38,15 @@ bool native_products_work(HalfKind kind) {
   }
   std::vector<uint16_t> left(static_cast<size_t>(left_size(m, d))), right(static_cast<size_t>(packed_size(d, n)));
   pad_rows(a.data(), d, m, d, left.data());
-  pack_rows(b.data(), n, d, n, true, right.data());
+  pack_rows(b.data(), n, d, n, vnni, right.data());
   try {
-    HalfProductsTask task(true);
-    half_gemm(kind, true, m, n, d, left.data(), right.data(), got.data(), n, false);
+    HalfProductsTask task(vnni);
+    half_gemm(kind, vnni, m, n, d, left.data(), right.data(), got.data(), n, false);
   } catch (const std::exception&) {
     return false;
   }
   return got == expected;
 }
-
-}  // namespace
 
 HalfGemmMode half_gemm_mode() {
   // Read at every call, as the other switches: set it before the first forward.
@@ -65,12 +63,13 @@ bool native_half_products(at::ScalarType dtype) {
     return false;  // brgemm would refuse VNNI operands
   }
   if (dtype == at::kBFloat16) {
-    static const bool works = native_bfloat16_products() && native_products_work(HalfKind::kBFloat16);
+    static const bool works = native_bfloat16_products() && half_products_probe(HalfKind::kBFloat16, true);
     return works;
   }
   if (dtype == at::kHalf) {
     // With AVX512-FP16 but no AMX-FP16, oneDNN computes float16 through fp32 and reads B row-major.
-    static const bool works = at::native::cpublas::could_pack(at::kHalf) && native_products_work(HalfKind::kFloat16);
+    static const bool works =
+        at::native::cpublas::could_pack(at::kHalf) && half_products_probe(HalfKind::kFloat16, true);
     return works;
   }
   return false;

@@ -30,6 +30,11 @@ HalfGemmMode half_gemm_mode();
 // small product against exact results; and oneDNN is enabled in torch.
 bool native_half_products(at::ScalarType dtype);
 
+// One small product of small integers against its exact result, with VNNI operands on oneDNN's native kernels
+// or plain ones on the reference GEMM: false when the kernels refuse it or read another layout. The check behind
+// native_half_products (vnni = true), also run with vnni = false by the tests on any CPU.
+bool half_products_probe(HalfKind kind, bool vnni);
+
 // Whether a forward in `dtype` multiplies in it (a half type) under `mode`, rather than widened to fp32.
 bool multiplies_in_half_type(at::ScalarType dtype, HalfGemmMode mode);
 
