@@ -77,7 +77,7 @@ def half_inputs(dtype, lq=LQ, lk=LK):
 
 @pytest.mark.parametrize("case", list(mask_cases()))
 @pytest.mark.parametrize("need_weights", [False, True], ids=["blocked", "kept weights"])
-@pytest.mark.parametrize("block", ["16", ""], ids=["block=16", "block=auto"])
+@pytest.mark.parametrize("block", ["16", "64", ""], ids=["block=16", "block=64", "block=auto"])
 @pytest.mark.parametrize("dtype", HALF_TYPES)
 def test_half_type_products_match_the_oracle(half_products, monkeypatch, case, need_weights, block, dtype):
     monkeypatch.setenv("FASTMHA_CPU_KEY_BLOCK", block)

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -52,6 +53,7 @@ struct Head {
   const uint16_t* half_q = nullptr;
   const uint16_t* half_k = nullptr;
   const uint16_t* half_v = nullptr;
+  const uint16_t* packed_k = nullptr;  // this head's K^T packed once (with_packed_keys), or nullptr
 };
 
 template <typename T>
@@ -64,6 +66,7 @@ Head<T> head_pointers(const AttentionInputs<T>& in, int64_t bh) {
     head.half_q = half.q + b * half.q_stride.batch + h * half.q_stride.head;
     head.half_k = half.k + b * half.k_stride.batch + h * half.k_stride.head;
     head.half_v = half.v + b * half.v_stride.batch + h * half.v_stride.head;
+    head.packed_k = half.packed_keys != nullptr ? half.packed_keys + bh * half.packed_keys_head : nullptr;
   }
   return head;
 }
@@ -98,7 +101,8 @@ void rows_to_half(HalfKind kind, const T* src, int64_t ld, int64_t rows, int64_t
   }
 }
 
-// scores (rows x n, row stride ld) = scale * q[row0 ..] . k[lo .. lo + n] in the half type, accumulated in fp32.
+// scores (rows x n, row stride ld) = scale * q[row0 ..] . k[lo .. lo + n] in the half type, accumulated in fp32. A
+// block that starts on a panel boundary takes its keys from the head's packed K^T (with_packed_keys).
 template <typename T>
 void half_scores(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows, int64_t lo, int64_t n,
                  T* scores, int64_t ld) {
@@ -106,15 +110,42 @@ void half_scores(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0
     HalfScratch& scratch = half_scratch();
     const int64_t depth = padded_depth(in.d_k);
     scratch.left.resize(left_size(rows, depth));
-    scratch.right.resize(packed_size(depth, n));
     pad_rows(head.half_q + row0 * in.half.q_stride.row, in.half.q_stride.row, rows, in.d_k, scratch.left.data());
-    pack_transposed(head.half_k + lo * in.half.k_stride.row, in.half.k_stride.row, n, in.d_k, in.half.vnni,
-                    scratch.right.data());
-    half_gemm(in.half.kind, in.half.vnni, rows, n, depth, scratch.left.data(), scratch.right.data(), scores, ld, false,
-              in.scale);
+    const uint16_t* keys = nullptr;
+    if (head.packed_k != nullptr && lo % kPanel == 0) {
+      keys = head.packed_k + packed_index(0, lo, depth, in.half.vnni);  // the panels of keys lo .. (zeros beyond)
+    } else {
+      scratch.right.resize(packed_size(depth, n));
+      pack_transposed(head.half_k + lo * in.half.k_stride.row, in.half.k_stride.row, n, in.d_k, in.half.vnni,
+                      scratch.right.data());
+      keys = scratch.right.data();
+    }
+    half_gemm(in.half.kind, in.half.vnni, rows, n, depth, scratch.left.data(), keys, scores, ld, false, in.scale);
   } else {
     TORCH_INTERNAL_ASSERT(false, "half-type products take float scores");
   }
+}
+
+// The inputs with every head's keys packed once as the right operand of S = Q K^T (half_gemm.h), into `storage`:
+// the query chunks of a head share them instead of packing each block again. Unchanged without half-type
+// products.
+template <typename T>
+AttentionInputs<T> with_packed_keys(const AttentionInputs<T>& in, std::unique_ptr<uint16_t[]>& storage) {
+  if (in.half.q == nullptr) {
+    return in;
+  }
+  AttentionInputs<T> packed = in;
+  const int64_t per_head = packed_size(padded_depth(in.d_k), in.len_k), heads = in.batch * in.heads;
+  storage = std::make_unique_for_overwrite<uint16_t[]>(static_cast<size_t>(std::max<int64_t>(heads * per_head, 1)));
+  at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      pack_transposed(head_pointers(in, bh).half_k, in.half.k_stride.row, in.len_k, in.d_k, in.half.vnni,
+                      storage.get() + bh * per_head);
+    }
+  });
+  packed.half.packed_keys = storage.get();
+  packed.half.packed_keys_head = per_head;
+  return packed;
 }
 
 // out_rows (rows x d_v) (+)= p (rows x n, row stride ld) . v[lo .. lo + n]: in the half type when the forward's
@@ -597,7 +628,9 @@ void online_forward(const AttentionInputs<T>& in, const AttentionForwardOutputs<
 }
 
 template <typename T>
-void forward_impl(const AttentionInputs<T>& in, const AttentionForwardOutputs<T>& out) {
+void forward_impl(const AttentionInputs<T>& inputs, const AttentionForwardOutputs<T>& out) {
+  std::unique_ptr<uint16_t[]> packed_keys;
+  const AttentionInputs<T> in = with_packed_keys(inputs, packed_keys);
   if (out.weights == nullptr) {
     return online_forward(in, out);
   }
@@ -887,7 +920,9 @@ void for_each_backward_chunk(const AttentionInputs<T>& in, const AttentionBackwa
 // chunk hides, are skipped when their weight in the math, exp(-1e9 - lse), is exactly 0 in every row of the chunk
 // (then so is their score gradient).
 template <typename T>
-void blocked_backward(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g) {
+void blocked_backward(const AttentionInputs<T>& inputs, const AttentionBackwardTensors<T>& g) {
+  std::unique_ptr<uint16_t[]> packed_keys;
+  const AttentionInputs<T> in = with_packed_keys(inputs, packed_keys);
   const int64_t chunk = backward_query_chunk(true, in.len_q, in.len_k, in.batch * in.heads, at::get_num_threads());
   for_each_backward_chunk(
       in, g, chunk, in.key_block, [&](const SplitTask<T>& task, int64_t row0, int64_t rows, BackwardBuffers<T>& buf) {

@@ -24,6 +24,9 @@ struct HalfOperands {
   Strides3 q_stride{}, k_stride{}, v_stride{};
   HalfKind kind = HalfKind::kBFloat16;
   bool vnni = false;  // right operands packed for oneDNN's native kernels; plain for the reference GEMM
+  // Every head's K^T packed once by the kernels (packed_keys_head elements per head), or nullptr.
+  const uint16_t* packed_keys = nullptr;
+  int64_t packed_keys_head = 0;
 };
 
 template <typename T>
