@@ -101,26 +101,37 @@ void rows_to_half(HalfKind kind, const T* src, int64_t ld, int64_t rows, int64_t
   }
 }
 
-// scores (rows x n, row stride ld) = scale * q[row0 ..] . k[lo .. lo + n] in the half type, accumulated in fp32. A
-// block that starts on a panel boundary takes its keys from the head's packed K^T (with_packed_keys).
+// out (rows x n, row stride ld) = alpha * left . right^T in the half type, accumulated in fp32: `rows` rows of `d`
+// elements (row stride left_ld) times n rows of d elements (row stride right_ld), whose packed panels are taken
+// from `packed` where it is given (with_packed_keys).
+inline void half_times_transposed(const HalfOperands& half, const uint16_t* left, int64_t left_ld, int64_t rows,
+                                  const uint16_t* right, int64_t right_ld, const uint16_t* packed, int64_t n, int64_t d,
+                                  float* out, int64_t ld, float alpha) {
+  HalfScratch& scratch = half_scratch();
+  const int64_t depth = padded_depth(d);
+  scratch.left.resize(left_size(rows, depth));
+  pad_rows(left, left_ld, rows, d, scratch.left.data());
+  if (packed == nullptr) {
+    scratch.right.resize(packed_size(depth, n));
+    pack_transposed(right, right_ld, n, d, half.vnni, scratch.right.data());
+    packed = scratch.right.data();
+  }
+  half_gemm(half.kind, half.vnni, rows, n, depth, scratch.left.data(), packed, out, ld, false, alpha);
+}
+
+// scores (rows x n, row stride ld) = scale * q[row0 ..] . k[lo .. lo + n] in the half type. A block that starts on
+// a panel boundary takes its keys from the head's packed K^T.
 template <typename T>
 void half_scores(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows, int64_t lo, int64_t n,
                  T* scores, int64_t ld) {
   if constexpr (std::is_same_v<T, float>) {
-    HalfScratch& scratch = half_scratch();
-    const int64_t depth = padded_depth(in.d_k);
-    scratch.left.resize(left_size(rows, depth));
-    pad_rows(head.half_q + row0 * in.half.q_stride.row, in.half.q_stride.row, rows, in.d_k, scratch.left.data());
-    const uint16_t* keys = nullptr;
-    if (head.packed_k != nullptr && lo % kPanel == 0) {
-      keys = head.packed_k + packed_index(0, lo, depth, in.half.vnni);  // the panels of keys lo .. (zeros beyond)
-    } else {
-      scratch.right.resize(packed_size(depth, n));
-      pack_transposed(head.half_k + lo * in.half.k_stride.row, in.half.k_stride.row, n, in.d_k, in.half.vnni,
-                      scratch.right.data());
-      keys = scratch.right.data();
-    }
-    half_gemm(in.half.kind, in.half.vnni, rows, n, depth, scratch.left.data(), keys, scores, ld, false, in.scale);
+    const HalfOperands& half = in.half;
+    const uint16_t* packed = head.packed_k != nullptr && lo % kPanel == 0
+                                 ? head.packed_k + packed_index(0, lo, padded_depth(in.d_k), half.vnni)
+                                 : nullptr;  // the panels of keys lo .. (zeros beyond the head's last key)
+    half_times_transposed(half, head.half_q + row0 * half.q_stride.row, half.q_stride.row, rows,
+                          head.half_k + lo * half.k_stride.row, half.k_stride.row, packed, n, in.d_k, scores, ld,
+                          in.scale);
   } else {
     TORCH_INTERNAL_ASSERT(false, "half-type products take float scores");
   }
@@ -844,14 +855,9 @@ template <typename T>
 void half_grad_weights(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, const Head<T>& head,
                        int64_t first_row, int64_t rows, int64_t lo, int64_t n, T* grad_w) {
   if constexpr (std::is_same_v<T, float>) {
-    HalfScratch& scratch = half_scratch();
-    const int64_t depth = padded_depth(in.d_v);
-    scratch.left.resize(left_size(rows, depth));
-    scratch.right.resize(packed_size(depth, n));
-    pad_rows(g.half_grad_out + first_row * in.d_v, in.d_v, rows, in.d_v, scratch.left.data());
-    pack_transposed(head.half_v + lo * in.half.v_stride.row, in.half.v_stride.row, n, in.d_v, in.half.vnni,
-                    scratch.right.data());
-    half_gemm(in.half.kind, in.half.vnni, rows, n, depth, scratch.left.data(), scratch.right.data(), grad_w, n, false);
+    half_times_transposed(in.half, g.half_grad_out + first_row * in.d_v, in.d_v, rows,
+                          head.half_v + lo * in.half.v_stride.row, in.half.v_stride.row, nullptr, n, in.d_v, grad_w, n,
+                          1.0f);
   } else {
     TORCH_INTERNAL_ASSERT(false, "half-type products take float scores");
   }
