@@ -121,12 +121,32 @@ void check_half_gemm(at::ScalarType dtype, bool vnni, int64_t m, int64_t n, int6
   const fastmha::cpu::HalfProductsTask task(vnni);
   const int64_t ldc = n + 3;
   auto c = at::full({m, ldc}, 7.0f);
-  fastmha::cpu::half_gemm(kind, vnni, m, n, depth, left.data(), right.data(), c.data_ptr<float>(), ldc, false);
+  fastmha::cpu::half_gemm(kind, vnni, m, n, depth, left.data(), {right.data(), depth}, c.data_ptr<float>(), ldc, false);
   const auto want = at::matmul(a.to(at::kFloat), b.to(at::kFloat));
   CHECK(at::allclose(c.narrow(1, 0, n), want, 1e-4, 1e-4));
   CHECK(at::equal(c.narrow(1, n, 3), at::full({m, 3}, 7.0f)));  // nothing written beyond n columns
-  fastmha::cpu::half_gemm(kind, vnni, m, n, depth, left.data(), right.data(), c.data_ptr<float>(), ldc, true, 0.5f);
+  fastmha::cpu::half_gemm(kind, vnni, m, n, depth, left.data(), {right.data(), depth}, c.data_ptr<float>(), ldc, true,
+                          0.5f);
   CHECK(at::allclose(c.narrow(1, 0, n), 1.5 * want, 1e-4, 1e-4));
+}
+
+// half_gemm of an m x d product whose right operand is rows lo .. lo + d of a `total` x n operand packed once
+// (as the kernels take a block of keys from a head's values): d a multiple of 64, or lo + d == total.
+void check_half_gemm_inside(at::ScalarType dtype, bool vnni, int64_t m, int64_t n, int64_t total, int64_t lo,
+                            int64_t d) {
+  const auto kind = dtype == at::kBFloat16 ? HalfKind::kBFloat16 : HalfKind::kFloat16;
+  const auto a = at::randn({m, d}).to(dtype), b = at::randn({total, n}).to(dtype);
+  const int64_t depth = fastmha::cpu::padded_depth(d), rows = fastmha::cpu::padded_depth(total);
+  const auto a_bits = bits_of(a), b_bits = bits_of(b);
+  std::vector<uint16_t> left(static_cast<size_t>(fastmha::cpu::left_size(m, depth)));
+  std::vector<uint16_t> whole(static_cast<size_t>(fastmha::cpu::packed_size(rows, n)));
+  fastmha::cpu::pad_rows(a_bits.data(), d, m, d, left.data());
+  fastmha::cpu::pack_rows(b_bits.data(), n, total, n, vnni, whole.data());
+  const fastmha::cpu::HalfProductsTask task(vnni);
+  auto c = at::zeros({m, n});
+  fastmha::cpu::half_gemm(kind, vnni, m, n, depth, left.data(),
+                          fastmha::cpu::packed_from_row(whole.data(), rows, lo, vnni), c.data_ptr<float>(), n, false);
+  CHECK(at::allclose(c, at::matmul(a.to(at::kFloat), b.narrow(0, lo, d).to(at::kFloat)), 1e-4, 1e-4));
 }
 
 }  // namespace
@@ -135,7 +155,10 @@ TEST_CASE("Half-type products through ATen's reference GEMM (plain layout) match
   const auto dtype = GENERATE(at::kBFloat16, at::kHalf);
   check_half_gemm(dtype, false, 5, 7, 20);
   check_half_gemm(dtype, false, 33, 65, 64);
-  check_half_gemm(dtype, false, 17, 130, 1100);  // three panels, three pieces of the depth
+  check_half_gemm(dtype, false, 17, 130, 1100);                 // three panels, three pieces of the depth
+  check_half_gemm_inside(dtype, false, 20, 130, 700, 64, 128);  // a block inside: two panels of 700 rows apart
+  check_half_gemm_inside(dtype, false, 20, 70, 700, 128, 572);  // the last block, its depth padded with zeros
+  check_half_gemm_inside(dtype, false, 9, 64, 1300, 0, 1280);   // three pieces of the depth inside
 }
 
 TEST_CASE("The probe of the native kernels: exact on the reference GEMM, false where they refuse", "[half gemm]") {
@@ -153,6 +176,8 @@ TEST_CASE("Half-type products on the CPU's own instructions (VNNI layout) match 
     return;
   }
   check_half_gemm(dtype, true, 5, 7, 20);
-  check_half_gemm(dtype, true, 256, 512, 64);   // the online forward's block shapes
-  check_half_gemm(dtype, true, 128, 64, 1000);  // weights times values over 1000 keys (two pieces)
+  check_half_gemm(dtype, true, 256, 512, 64);                     // the online forward's block shapes
+  check_half_gemm(dtype, true, 128, 64, 1000);                    // weights times values over 1000 keys (two pieces)
+  check_half_gemm_inside(dtype, true, 256, 128, 1024, 256, 512);  // a block of a head's values packed once
+  check_half_gemm_inside(dtype, true, 20, 70, 700, 128, 572);
 }

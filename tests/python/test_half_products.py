@@ -164,6 +164,20 @@ def test_nan_value_at_a_hidden_key_propagates_like_the_math(half_products, need_
     assert_close(out.nan_to_num(), ref_out.nan_to_num(), dtype)
 
 
+@pytest.mark.parametrize("need_weights", [False, True], ids=["blocked", "kept weights"])
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+def test_infinite_value_after_a_short_block_stays_infinite(half_products, monkeypatch, need_weights, dtype):
+    # Keys 0..99 are a block whose depth is padded to 128 with zero weights: it must not read the values of keys
+    # 100..127 (zero times infinity is NaN), where the math gives +inf, the infinite value times positive weights.
+    monkeypatch.setenv("FASTMHA_CPU_KEY_BLOCK", "100")
+    q, k, v, grad = half_inputs(dtype)
+    v[0, 1, 110, 5] = float("inf")
+    (out, _, _), (ref_out, _, _) = run_and_oracle(q, k, v, None, need_weights, grad)
+    assert ref_out[0, 1, :, 5].isposinf().all()
+    assert torch.equal(out.isposinf(), ref_out.isposinf()) and not out.isnan().any()
+    assert_close(out.nan_to_num(posinf=0.0), ref_out.nan_to_num(posinf=0.0), dtype)
+
+
 @pytest.mark.parametrize("dtype", HALF_TYPES)
 def test_native_without_the_instructions_widens(monkeypatch, dtype):
     if native_products(dtype):

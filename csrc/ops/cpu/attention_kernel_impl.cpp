@@ -53,7 +53,11 @@ struct Head {
   const uint16_t* half_q = nullptr;
   const uint16_t* half_k = nullptr;
   const uint16_t* half_v = nullptr;
-  const uint16_t* packed_k = nullptr;  // this head's K^T packed once (with_packed_keys), or nullptr
+  // This head's operands packed once (HalfOperands; with_packed_heads), or nullptr.
+  const uint16_t* keys_t = nullptr;
+  const uint16_t* values = nullptr;
+  const uint16_t* values_t = nullptr;
+  const uint16_t* keys = nullptr;
 };
 
 template <typename T>
@@ -66,14 +70,19 @@ Head<T> head_pointers(const AttentionInputs<T>& in, int64_t bh) {
     head.half_q = half.q + b * half.q_stride.batch + h * half.q_stride.head;
     head.half_k = half.k + b * half.k_stride.batch + h * half.k_stride.head;
     head.half_v = half.v + b * half.v_stride.batch + h * half.v_stride.head;
-    head.packed_k = half.packed_keys != nullptr ? half.packed_keys + bh * half.packed_keys_head : nullptr;
+    auto of_head = [bh](const PackedHeads& p) { return p.data != nullptr ? p.data + bh * p.per_head : nullptr; };
+    head.keys_t = of_head(half.keys_t);
+    head.values = of_head(half.values);
+    head.values_t = of_head(half.values_t);
+    head.keys = of_head(half.keys);
   }
   return head;
 }
 
-// The calling thread's operand buffers of the half-type products.
+// The calling thread's operand buffers of the half-type products: one product's own operands, and the blocked
+// backward's chunk of dO and Q rows packed once for all its key blocks.
 struct HalfScratch {
-  std::vector<uint16_t> left, right;
+  std::vector<uint16_t> left, right, chunk_grad_out, chunk_q;
 };
 inline HalfScratch& half_scratch() {
   thread_local HalfScratch scratch;
@@ -101,61 +110,140 @@ void rows_to_half(HalfKind kind, const T* src, int64_t ld, int64_t rows, int64_t
   }
 }
 
-// out (rows x n, row stride ld) = alpha * left . right^T in the half type, accumulated in fp32: `rows` rows of `d`
-// elements (row stride left_ld) times n rows of d elements (row stride right_ld), whose packed panels are taken
-// from `packed` where it is given (with_packed_keys).
-inline void half_times_transposed(const HalfOperands& half, const uint16_t* left, int64_t left_ld, int64_t rows,
-                                  const uint16_t* right, int64_t right_ld, const uint16_t* packed, int64_t n, int64_t d,
-                                  float* out, int64_t ld, float alpha) {
-  HalfScratch& scratch = half_scratch();
-  const int64_t depth = padded_depth(d);
-  scratch.left.resize(left_size(rows, depth));
-  pad_rows(left, left_ld, rows, d, scratch.left.data());
-  if (packed == nullptr) {
-    scratch.right.resize(packed_size(depth, n));
-    pack_transposed(right, right_ld, n, d, half.vnni, scratch.right.data());
-    packed = scratch.right.data();
-  }
-  half_gemm(half.kind, half.vnni, rows, n, depth, scratch.left.data(), packed, out, ld, false, alpha);
-}
-
-// scores (rows x n, row stride ld) = scale * q[row0 ..] . k[lo .. lo + n] in the half type. A block that starts on
-// a panel boundary takes its keys from the head's packed K^T.
+// fp32 rows (rows x n, row stride ld) transposed and rounded to the half type: a left operand of n rows of `rows`
+// elements (half_gemm.h). Rows are rounded a band at a time with vector conversions, then the band is transposed
+// from that small buffer, so the strided reads stay in cache.
 template <typename T>
-void half_scores(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows, int64_t lo, int64_t n,
-                 T* scores, int64_t ld) {
+void transposed_to_half(HalfKind kind, const T* src, int64_t ld, int64_t rows, int64_t n, uint16_t* dst) {
   if constexpr (std::is_same_v<T, float>) {
-    const HalfOperands& half = in.half;
-    const uint16_t* packed = head.packed_k != nullptr && lo % kPanel == 0
-                                 ? head.packed_k + packed_index(0, lo, padded_depth(in.d_k), half.vnni)
-                                 : nullptr;  // the panels of keys lo .. (zeros beyond the head's last key)
-    half_times_transposed(half, head.half_q + row0 * half.q_stride.row, half.q_stride.row, rows,
-                          head.half_k + lo * half.k_stride.row, half.k_stride.row, packed, n, in.d_k, scores, ld,
-                          in.scale);
+    constexpr int64_t kBand = 16;  // divides kMaxDepthPiece: a band's elements of one output row are contiguous
+    thread_local std::vector<uint16_t> band;
+    band.resize(static_cast<size_t>(kBand * n));
+    for (int64_t r0 = 0; r0 < rows; r0 += kBand) {
+      const int64_t height = std::min(kBand, rows - r0);
+      for (int64_t r = 0; r < height; ++r) {
+        if (kind == HalfKind::kBFloat16) {
+          at::vec::convert(src + (r0 + r) * ld, reinterpret_cast<at::BFloat16*>(band.data() + r * n), n);
+        } else {
+          at::vec::convert(src + (r0 + r) * ld, reinterpret_cast<at::Half*>(band.data() + r * n), n);
+        }
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        uint16_t* out = dst + left_index(j, r0, n);
+        for (int64_t r = 0; r < height; ++r) out[r] = band[r * n + j];
+      }
+    }
+    zero_left_padding(n, rows, dst);
   } else {
     TORCH_INTERNAL_ASSERT(false, "half-type products take float scores");
   }
 }
 
-// The inputs with every head's keys packed once as the right operand of S = Q K^T (half_gemm.h), into `storage`:
-// the query chunks of a head share them instead of packing each block again. Unchanged without half-type
-// products.
+// Columns lo .. of a head's packed K^T or V^T (zeros beyond its last key) as a right operand, when lo starts a panel;
+// otherwise {nullptr}: the block is packed on its own.
+inline PackedRight columns_of_head(const uint16_t* head_pack, const PackedHeads& layout, int64_t lo, bool vnni) {
+  if (head_pack == nullptr || lo % kPanel != 0) {
+    return {nullptr, 0};
+  }
+  return {head_pack + packed_index(0, lo, layout.rows, vnni), layout.rows};
+}
+
+// The right operand B = rows lo .. lo + n of a head's K or V (`src`: the head's rows in the half type, row stride ld,
+// d elements each), padded_depth(n) deep. Taken from the head's pack when that depth reads only these rows and the
+// pack's zeros (lo on a multiple of kDepthMultiple; n one too, or the block ends at the last key): the rows after a
+// block may hold a NaN or an infinity, which the zero weights of the padding would turn into NaN. Otherwise the
+// rows are packed into `scratch`.
+inline PackedRight rows_of_head(const uint16_t* head_pack, const PackedHeads& layout, const uint16_t* src, int64_t ld,
+                                int64_t lo, int64_t n, int64_t len_k, int64_t d, bool vnni,
+                                std::vector<uint16_t>& scratch) {
+  if (head_pack != nullptr && lo % kDepthMultiple == 0 && (n % kDepthMultiple == 0 || lo + n == len_k)) {
+    return packed_from_row(head_pack, layout.rows, lo, vnni);
+  }
+  const int64_t depth = padded_depth(n);
+  scratch.resize(packed_size(depth, d));
+  pack_rows(src + lo * ld, ld, n, d, vnni, scratch.data());
+  return {scratch.data(), depth};
+}
+
+// out (rows x n, row stride ld) = alpha * left . right^T in the half type, accumulated in fp32: `rows` rows of `d`
+// elements (row stride left_ld) times n rows of d elements (row stride right_ld), whose packed panels are taken
+// from `packed` where its data is given (columns_of_head).
+inline void half_times_transposed(const HalfOperands& half, const uint16_t* left, int64_t left_ld, int64_t rows,
+                                  const uint16_t* right, int64_t right_ld, PackedRight packed, int64_t n, int64_t d,
+                                  float* out, int64_t ld, float alpha) {
+  HalfScratch& scratch = half_scratch();
+  const int64_t depth = padded_depth(d);
+  scratch.left.resize(left_size(rows, depth));
+  pad_rows(left, left_ld, rows, d, scratch.left.data());
+  if (packed.data == nullptr) {
+    scratch.right.resize(packed_size(depth, n));
+    pack_transposed(right, right_ld, n, d, half.vnni, scratch.right.data());
+    packed = {scratch.right.data(), depth};
+  }
+  half_gemm(half.kind, half.vnni, rows, n, depth, scratch.left.data(), packed, out, ld, false, alpha);
+}
+
+// scores (rows x n, row stride ld) = scale * q[row0 ..] . k[lo .. lo + n] in the half type.
 template <typename T>
-AttentionInputs<T> with_packed_keys(const AttentionInputs<T>& in, std::unique_ptr<uint16_t[]>& storage) {
+void half_scores(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows, int64_t lo, int64_t n,
+                 T* scores, int64_t ld) {
+  if constexpr (std::is_same_v<T, float>) {
+    const HalfOperands& half = in.half;
+    half_times_transposed(half, head.half_q + row0 * half.q_stride.row, half.q_stride.row, rows,
+                          head.half_k + lo * half.k_stride.row, half.k_stride.row,
+                          columns_of_head(head.keys_t, half.keys_t, lo, half.vnni), n, in.d_k, scores, ld, in.scale);
+  } else {
+    TORCH_INTERNAL_ASSERT(false, "half-type products take float scores");
+  }
+}
+
+// The inputs with the right operands that every query chunk of a head multiplies by packed once per head, into
+// `storage` (HalfOperands: K^T and V for the forward; K^T, V^T and K for the backward), instead of once per block
+// and chunk. Unchanged without half-type products.
+template <typename T>
+AttentionInputs<T> with_packed_heads(const AttentionInputs<T>& in, bool backward,
+                                     std::unique_ptr<uint16_t[]>& storage) {
   if (in.half.q == nullptr) {
     return in;
   }
   AttentionInputs<T> packed = in;
-  const int64_t per_head = packed_size(padded_depth(in.d_k), in.len_k), heads = in.batch * in.heads;
-  storage = std::make_unique_for_overwrite<uint16_t[]>(static_cast<size_t>(std::max<int64_t>(heads * per_head, 1)));
+  HalfOperands& half = packed.half;
+  const int64_t keys = padded_depth(in.len_k);
+  half.keys_t = {nullptr, packed_size(padded_depth(in.d_k), in.len_k), padded_depth(in.d_k)};
+  half.values = {nullptr, backward ? 0 : packed_size(keys, in.d_v), keys};
+  half.values_t = {nullptr, backward ? packed_size(padded_depth(in.d_v), in.len_k) : 0, padded_depth(in.d_v)};
+  half.keys = {nullptr, backward ? packed_size(keys, in.d_k) : 0, keys};
+  const int64_t heads = in.batch * in.heads;
+  int64_t total = 0;
+  for (PackedHeads* p : {&half.keys_t, &half.values, &half.values_t, &half.keys}) total += p->per_head * heads;
+  storage = std::make_unique_for_overwrite<uint16_t[]>(static_cast<size_t>(std::max<int64_t>(total, 1)));
+  uint16_t* next = storage.get();
+  auto place = [&](PackedHeads& p) {  // p's place in storage, nullptr when it is not packed
+    uint16_t* base = p.per_head > 0 ? next : nullptr;
+    p.data = base;
+    next += p.per_head * heads;
+    return base;
+  };
+  uint16_t* const keys_t = place(half.keys_t);
+  uint16_t* const values = place(half.values);
+  uint16_t* const values_t = place(half.values_t);
+  uint16_t* const keys_rows = place(half.keys);
+  const int64_t k_ld = in.half.k_stride.row, v_ld = in.half.v_stride.row;
   at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
-      pack_transposed(head_pointers(in, bh).half_k, in.half.k_stride.row, in.len_k, in.d_k, in.half.vnni,
-                      storage.get() + bh * per_head);
+      const Head<T> head = head_pointers(in, bh);
+      pack_transposed(head.half_k, k_ld, in.len_k, in.d_k, half.vnni, keys_t + bh * half.keys_t.per_head);
+      if (values != nullptr) {
+        pack_rows(head.half_v, v_ld, in.len_k, in.d_v, half.vnni, values + bh * half.values.per_head);
+      }
+      if (values_t != nullptr) {
+        pack_transposed(head.half_v, v_ld, in.len_k, in.d_v, half.vnni, values_t + bh * half.values_t.per_head);
+      }
+      if (keys_rows != nullptr) {
+        pack_rows(head.half_k, k_ld, in.len_k, in.d_k, half.vnni, keys_rows + bh * half.keys.per_head);
+      }
     }
   });
-  packed.half.packed_keys = storage.get();
-  packed.half.packed_keys_head = per_head;
   return packed;
 }
 
@@ -169,33 +257,14 @@ void apply_values(const AttentionInputs<T>& in, const Head<T>& head, const T* p,
             add ? T(1) : T(0), out_rows, in.d_v);
     return;
   }
-  HalfScratch& scratch = half_scratch();
-  const int64_t depth = padded_depth(n);
-  scratch.left.resize(left_size(rows, depth));
-  scratch.right.resize(packed_size(depth, in.d_v));
-  rows_to_half(in.half.kind, p, ld, rows, n, scratch.left.data());
-  pack_rows(head.half_v + lo * in.half.v_stride.row, in.half.v_stride.row, n, in.d_v, in.half.vnni,
-            scratch.right.data());
   if constexpr (std::is_same_v<T, float>) {
-    half_gemm(in.half.kind, in.half.vnni, rows, in.d_v, depth, scratch.left.data(), scratch.right.data(), out_rows,
-              in.d_v, add);
-  }
-}
-
-// fp32 rows (rows x n, row stride ld) transposed and rounded to the half type: a left operand of n rows of `rows`
-// elements (half_gemm.h).
-template <typename T>
-void transposed_to_half(HalfKind kind, const T* src, int64_t ld, int64_t rows, int64_t n, uint16_t* dst) {
-  if constexpr (std::is_same_v<T, float>) {
-    for (int64_t j = 0; j < n; ++j) {
-      for (int64_t r = 0; r < rows; ++r) {
-        const float x = src[r * ld + j];
-        dst[left_index(j, r, n)] = kind == HalfKind::kBFloat16 ? c10::BFloat16(x).x : c10::Half(x).x;
-      }
-    }
-    zero_left_padding(n, rows, dst);
-  } else {
-    TORCH_INTERNAL_ASSERT(false, "half-type products take float scores");
+    HalfScratch& scratch = half_scratch();
+    const int64_t depth = padded_depth(n);
+    scratch.left.resize(left_size(rows, depth));
+    rows_to_half(in.half.kind, p, ld, rows, n, scratch.left.data());
+    const PackedRight values = rows_of_head(head.values, in.half.values, head.half_v, in.half.v_stride.row, lo, n,
+                                            in.len_k, in.d_v, in.half.vnni, scratch.right);
+    half_gemm(in.half.kind, in.half.vnni, rows, in.d_v, depth, scratch.left.data(), values, out_rows, in.d_v, add);
   }
 }
 
@@ -640,8 +709,8 @@ void online_forward(const AttentionInputs<T>& in, const AttentionForwardOutputs<
 
 template <typename T>
 void forward_impl(const AttentionInputs<T>& inputs, const AttentionForwardOutputs<T>& out) {
-  std::unique_ptr<uint16_t[]> packed_keys;
-  const AttentionInputs<T> in = with_packed_keys(inputs, packed_keys);
+  std::unique_ptr<uint16_t[]> packed_heads;
+  const AttentionInputs<T> in = with_packed_heads(inputs, false, packed_heads);
   if (out.weights == nullptr) {
     return online_forward(in, out);
   }
@@ -850,50 +919,60 @@ void row_softmax_constants(const AttentionInputs<T>& in, const AttentionBackward
 
 // The blocked backward's products of one block in the half type (in.half; see apply_values for the forward's):
 // dP = dO V^T into grad_w before fused_backward_row; after it, dV += W^T dO, dQ (+)= scale dS K and
-// dK += scale dS^T Q, with W (probs) and dS (grad_w) rounded to the half type.
+// dK += scale dS^T Q, with W (probs) and dS (grad_w) rounded to the half type. The chunk's dO and Q rows, right
+// operands of dV and dK at every block, are packed once per chunk (half_chunk_rows).
 template <typename T>
 void half_grad_weights(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, const Head<T>& head,
                        int64_t first_row, int64_t rows, int64_t lo, int64_t n, T* grad_w) {
   if constexpr (std::is_same_v<T, float>) {
     half_times_transposed(in.half, g.half_grad_out + first_row * in.d_v, in.d_v, rows,
-                          head.half_v + lo * in.half.v_stride.row, in.half.v_stride.row, nullptr, n, in.d_v, grad_w, n,
+                          head.half_v + lo * in.half.v_stride.row, in.half.v_stride.row,
+                          columns_of_head(head.values_t, in.half.values_t, lo, in.half.vnni), n, in.d_v, grad_w, n,
                           1.0f);
   } else {
     TORCH_INTERNAL_ASSERT(false, "half-type products take float scores");
   }
 }
 
+// The chunk's dO and Q rows (rows from row0) packed as right operands, padded_depth(rows) deep, into the calling
+// thread's scratch for half_block_gradients.
 template <typename T>
-void half_block_gradients(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, const Head<T>& head,
-                          int64_t first_row, int64_t row0, int64_t rows, int64_t lo, int64_t n, const T* probs,
-                          T* grad_w, T* grad_q, T* grad_k, T* grad_v, bool add_q) {
+void half_chunk_rows(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, const Head<T>& head,
+                     int64_t first_row, int64_t row0, int64_t rows) {
+  HalfScratch& scratch = half_scratch();
+  const int64_t depth = padded_depth(rows);
+  scratch.chunk_grad_out.resize(packed_size(depth, in.d_v));
+  scratch.chunk_q.resize(packed_size(depth, in.d_k));
+  pack_rows(g.half_grad_out + first_row * in.d_v, in.d_v, rows, in.d_v, in.half.vnni, scratch.chunk_grad_out.data());
+  pack_rows(head.half_q + row0 * in.half.q_stride.row, in.half.q_stride.row, rows, in.d_k, in.half.vnni,
+            scratch.chunk_q.data());
+}
+
+template <typename T>
+void half_block_gradients(const AttentionInputs<T>& in, const Head<T>& head, int64_t rows, int64_t lo, int64_t n,
+                          const T* probs, T* grad_w, T* grad_q, T* grad_k, T* grad_v, bool add_q) {
   if constexpr (std::is_same_v<T, float>) {
     // dS is rounded scaled: scale * dS stays finite in float16 where dS alone may not (a large output gradient).
     for (int64_t r = 0; r < rows; ++r) scale_row(grad_w + r * n, n, in.scale);
     HalfScratch& scratch = half_scratch();
     const HalfKind kind = in.half.kind;
     const bool vnni = in.half.vnni;
-    const uint16_t* grad_out = g.half_grad_out + first_row * in.d_v;
-    const uint16_t* q_rows = head.half_q + row0 * in.half.q_stride.row;
     const int64_t by_rows = padded_depth(rows), by_keys = padded_depth(n);
     // dV += W^T dO
     scratch.left.resize(left_size(n, by_rows));
-    scratch.right.resize(packed_size(by_rows, std::max(in.d_v, in.d_k)));
     transposed_to_half(kind, probs, n, rows, n, scratch.left.data());
-    pack_rows(grad_out, in.d_v, rows, in.d_v, vnni, scratch.right.data());
-    half_gemm(kind, vnni, n, in.d_v, by_rows, scratch.left.data(), scratch.right.data(), grad_v + lo * in.d_v, in.d_v,
-              true);
+    half_gemm(kind, vnni, n, in.d_v, by_rows, scratch.left.data(), {scratch.chunk_grad_out.data(), by_rows},
+              grad_v + lo * in.d_v, in.d_v, true);
     // dK += scale dS^T Q
     transposed_to_half(kind, grad_w, n, rows, n, scratch.left.data());
-    pack_rows(q_rows, in.half.q_stride.row, rows, in.d_k, vnni, scratch.right.data());
-    half_gemm(kind, vnni, n, in.d_k, by_rows, scratch.left.data(), scratch.right.data(), grad_k + lo * in.d_k, in.d_k,
-              true);
+    half_gemm(kind, vnni, n, in.d_k, by_rows, scratch.left.data(), {scratch.chunk_q.data(), by_rows},
+              grad_k + lo * in.d_k, in.d_k, true);
     // dQ (+)= scale dS K
     scratch.left.resize(left_size(rows, by_keys));
-    scratch.right.resize(packed_size(by_keys, in.d_k));
     rows_to_half(kind, grad_w, n, rows, n, scratch.left.data());
-    pack_rows(head.half_k + lo * in.half.k_stride.row, in.half.k_stride.row, n, in.d_k, vnni, scratch.right.data());
-    half_gemm(kind, vnni, rows, in.d_k, by_keys, scratch.left.data(), scratch.right.data(), grad_q, in.d_k, add_q);
+    const PackedRight keys = rows_of_head(head.keys, in.half.keys, head.half_k, in.half.k_stride.row, lo, n, in.len_k,
+                                          in.d_k, vnni, scratch.right);
+    half_gemm(kind, vnni, rows, in.d_k, by_keys, scratch.left.data(), keys, grad_q, in.d_k, add_q);
   } else {
     TORCH_INTERNAL_ASSERT(false, "half-type products take float scores");
   }
@@ -927,8 +1006,8 @@ void for_each_backward_chunk(const AttentionInputs<T>& in, const AttentionBackwa
 // (then so is their score gradient).
 template <typename T>
 void blocked_backward(const AttentionInputs<T>& inputs, const AttentionBackwardTensors<T>& g) {
-  std::unique_ptr<uint16_t[]> packed_keys;
-  const AttentionInputs<T> in = with_packed_keys(inputs, packed_keys);
+  std::unique_ptr<uint16_t[]> packed_heads;
+  const AttentionInputs<T> in = with_packed_heads(inputs, true, packed_heads);
   const int64_t chunk = backward_query_chunk(true, in.len_q, in.len_k, in.batch * in.heads, at::get_num_threads());
   for_each_backward_chunk(
       in, g, chunk, in.key_block, [&](const SplitTask<T>& task, int64_t row0, int64_t rows, BackwardBuffers<T>& buf) {
@@ -946,6 +1025,9 @@ void blocked_backward(const AttentionInputs<T>& inputs, const AttentionBackwardT
         for (int64_t r = 0; r < rows && may_skip; ++r) may_skip = skipped_keys_weigh_zero(g.lse[first_row + r]);
         const KeySpan span = chunk_span(in, head, bh, row0, rows, non_finite, !may_skip);
         const bool narrow = may_skip && span.masked && !non_finite.any(in, head, bh);
+        if (in.half.q != nullptr) {
+          half_chunk_rows(in, g, head, first_row, row0, rows);
+        }
         bool computed = false;
         for (int64_t from = span.lo; from < span.hi;) {
           const KeySpan part = next_block(in, head, row0, rows, span, from, narrow);
@@ -971,8 +1053,7 @@ void blocked_backward(const AttentionInputs<T>& inputs, const AttentionBackwardT
                                grad_w.data() + r * n, in.dropout_p > 0 ? keep.data() + r * n : nullptr);
           }
           if (in.half.q != nullptr) {
-            half_block_gradients(in, g, head, first_row, row0, rows, lo, n, probs.data(), grad_w.data(), grad_q, grad_k,
-                                 grad_v, computed);
+            half_block_gradients(in, head, rows, lo, n, probs.data(), grad_w.data(), grad_q, grad_k, grad_v, computed);
             computed = true;
             continue;
           }

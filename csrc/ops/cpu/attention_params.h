@@ -15,6 +15,13 @@ struct Strides3 {
   int64_t batch, head, row;  // the last dim is contiguous
 };
 
+// One operand of every head packed as a right operand (half_gemm.h): per_head elements apart, `rows` rows each (the
+// padded head size for K^T and V^T, the padded key count for K and V). data == nullptr: packed per block.
+struct PackedHeads {
+  const uint16_t* data = nullptr;
+  int64_t per_head = 0, rows = 0;
+};
+
 // The half-type q/k/v of a forward or a blocked backward whose GEMMs multiply in the half type
 // (ops/cpu/half_gemm.h); rows have unit stride. q == nullptr: the products run in T on the widened operands.
 struct HalfOperands {
@@ -24,9 +31,9 @@ struct HalfOperands {
   Strides3 q_stride{}, k_stride{}, v_stride{};
   HalfKind kind = HalfKind::kBFloat16;
   bool vnni = false;  // right operands packed for oneDNN's native kernels; plain for the reference GEMM
-  // Every head's K^T packed once by the kernels (packed_keys_head elements per head), or nullptr.
-  const uint16_t* packed_keys = nullptr;
-  int64_t packed_keys_head = 0;
+  // Right operands the kernels pack once per head for every query chunk of it (with_packed_heads): K^T for the
+  // scores, V for the forward's P V; V^T for the backward's dO V^T and K for its dS K.
+  PackedHeads keys_t, values, values_t, keys;
 };
 
 template <typename T>

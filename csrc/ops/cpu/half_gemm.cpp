@@ -41,7 +41,7 @@ bool half_products_probe(HalfKind kind, bool vnni) {
   pack_rows(b.data(), n, d, n, vnni, right.data());
   try {
     HalfProductsTask task(vnni);
-    half_gemm(kind, vnni, m, n, d, left.data(), right.data(), got.data(), n, false);
+    half_gemm(kind, vnni, m, n, d, left.data(), {right.data(), d}, got.data(), n, false);
   } catch (const std::exception&) {
     return false;
   }
@@ -156,8 +156,9 @@ void pad_rows(const uint16_t* src, int64_t ld, int64_t m, int64_t d, uint16_t* d
   zero_left_padding(m, d, dst);
 }
 
-void half_gemm(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, const uint16_t* a, const uint16_t* b,
+void half_gemm(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, const uint16_t* a, PackedRight b,
                float* c, int64_t ldc, bool add_c, float alpha) {
+  TORCH_INTERNAL_ASSERT(b.rows >= depth, "a packed right operand of ", b.rows, " rows for a depth of ", depth);
   if (m == 0 || n == 0) {
     return;
   }
@@ -172,7 +173,7 @@ void half_gemm(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, co
     for (int64_t k0 = 0; k0 < depth; k0 += kMaxDepthPiece) {
       const int64_t piece = std::min(kMaxDepthPiece, depth - k0);
       const uint16_t* left = a + left_index(0, k0, m);
-      const uint16_t* right = b + packed_index(k0, c0, depth, vnni);
+      const uint16_t* right = b.data + packed_index(k0, c0, b.rows, vnni);
       if (kind == HalfKind::kBFloat16) {
         at::native::cpublas::brgemm(rows, kPanel, piece, kMaxDepthPiece, kPanel, kPanel, k0 > 0,
                                     reinterpret_cast<const at::BFloat16*>(left),

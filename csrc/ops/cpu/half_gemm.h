@@ -92,9 +92,22 @@ void pad_rows(const uint16_t* src, int64_t ld, int64_t m, int64_t d, uint16_t* d
 // d .. padded_depth(d).
 void zero_left_padding(int64_t m, int64_t d, uint16_t* dst);
 
+// A packed right operand as a product reads it: `data` points at its first row, which may lie inside a larger
+// packed operand of `rows` rows (its panels are rows x kPanel elements apart), such as a block of keys inside a
+// head's values packed once; rows >= the product's depth.
+struct PackedRight {
+  const uint16_t* data;
+  int64_t rows;
+};
+
+// Row `r` of a packed operand of `rows` rows onwards, as a PackedRight (r even: VNNI pairs stay whole).
+inline PackedRight packed_from_row(const uint16_t* packed, int64_t rows, int64_t r, bool vnni) {
+  return {packed + packed_index(r, 0, rows, vnni), rows};
+}
+
 // C (m x n, fp32, row stride ldc) = alpha A B (+ C when add_c): A is a left operand of m rows laid out as above,
 // B is depth x n packed as above (vnni or plain), depth a multiple of kDepthMultiple.
-void half_gemm(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, const uint16_t* a, const uint16_t* b,
+void half_gemm(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, const uint16_t* a, PackedRight b,
                float* c, int64_t ldc, bool add_c, float alpha = 1.0f);
 
 // Frees the calling thread's hardware state of the native kernels (AMX tile configuration) when it goes out of
