@@ -59,9 +59,10 @@ KernelChoice choose_cpu(const AttentionCall& call) {
   // Measured with benchmarks/bench_kernel_choice.py (all kernels interleaved in one run; the results are in
   // benchmarks/results/). Without a mask, fastmha's float32 kernels (keys in cache-sized blocks, an online
   // softmax in the forward) and torch's flash kernel are about even from 128 to 8192 keys, within this
-  // machine's noise; the forward then stays with torch's, and the backward with fastmha's up to 2048 keys, where
-  // it measured faster. In half types fastmha's backward wins unless the processor multiplies them natively
-  // (torch's backward then runs on those instructions; without them it is several times slower than ours).
+  // machine's noise; the forward then stays with torch's (except in float16 without native products, below), and
+  // the backward with fastmha's up to 2048 keys, where it measured faster. In half types fastmha's backward wins
+  // unless the processor multiplies them natively (torch's backward then runs on those instructions; without them
+  // it is several times slower than ours).
   // A mask turns the choice around: fastmha's kernel computes only the runs of keys some query of a chunk sees
   // (padding, causal or block-sparse masks), torch's computes all (3.7x faster or more with 10-25% of the keys
   // visible, float32).
@@ -82,6 +83,11 @@ KernelChoice choose_cpu(const AttentionCall& call) {
   if (call.pass == Pass::kForward) {
     if (span <= own_pays_below) {
       return {K::kOwnCpu, skipped};
+    }
+    if (dtype == at::kHalf && !native_half) {
+      // fastmha's forward, widened to fp32 for sgemm, measured 1.3-2.1x faster than torch's there at 128-8192
+      // keys, d_k 64 and 128, on Zen 3 (in bfloat16 torch's forward stays ahead).
+      return {K::kOwnCpu, "float16 forward without native float16 products: torch's CPU flash kernel is slower"};
     }
     return {K::kStockCpu, "forward without kept weights or dropout: torch's CPU flash kernel is as fast or faster"};
   }

@@ -49,10 +49,27 @@ def test_kept_weights_and_dropout_run_fastmhas_kernel():
     assert "dropout" in fastmha.explain(q, k, v, dropout_p=0.1, need_weights=False)
 
 
+def native_products():
+    """Whether torch's CPU kernels multiply each dtype natively on this CPU (as the choice sees it)."""
+    flags = cpu_flags()
+    return {torch.bfloat16: bool({"avx512_bf16", "amx_bf16"} & flags), torch.float16: "avx512_fp16" in flags,
+            torch.float32: False, torch.float64: False}
+
+
 def test_forward_without_weights_runs_torchs_flash_kernel():
-    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
         q, k, v = qkv(dtype=dtype)
         assert choices(q, k, v, need_weights=False)["forward"][0] == "torch-cpu-flash"
+
+
+def test_float16_forward_runs_torchs_kernel_only_with_native_float16_products():
+    q, k, v = qkv(dtype=torch.float16)
+    kernel, reason = choices(q, k, v, need_weights=False)["forward"]
+    if native_products()[torch.float16]:
+        assert kernel == "torch-cpu-flash"
+    else:
+        assert (kernel, reason.split(";")[0]) == (
+            "fastmha-cpu", "float16 forward without native float16 products: torch's CPU flash kernel is slower")
 
 
 @pytest.mark.parametrize("lk", [100, 8192])
@@ -67,10 +84,7 @@ def test_float32_forward_skips_padding_up_to_three_quarters_of_the_keys_at_any_l
 
 
 def test_backward_kernel_depends_on_native_half_products():
-    flags = cpu_flags()
-    native = {torch.bfloat16: bool({"avx512_bf16", "amx_bf16"} & flags), torch.float16: "avx512_fp16" in flags,
-              torch.float32: False, torch.float64: False}
-    for dtype, stock in native.items():
+    for dtype, stock in native_products().items():
         q, k, v = qkv(dtype=dtype)
         expected = "torch-cpu-flash" if stock else "fastmha-cpu"
         assert choices(q, k, v, need_weights=False)["backward"][0] == expected, dtype
