@@ -156,7 +156,7 @@ TEST_CASE("Half-type products through ATen's reference GEMM (plain layout) match
   check_half_gemm(dtype, false, 5, 7, 20);
   check_half_gemm(dtype, false, 33, 65, 64);
   check_half_gemm(dtype, false, 17, 130, 1100);                 // three panels, three pieces of the depth
-  check_half_gemm_inside(dtype, false, 20, 130, 700, 64, 128);  // a block inside: two panels of 700 rows apart
+  check_half_gemm_inside(dtype, false, 20, 130, 700, 64, 128);  // a block inside: three panels, 704 rows apart
   check_half_gemm_inside(dtype, false, 20, 70, 700, 128, 572);  // the last block, its depth padded with zeros
   check_half_gemm_inside(dtype, false, 9, 64, 1300, 0, 1280);   // three pieces of the depth inside
 }

@@ -199,7 +199,9 @@ void half_scores(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0
 
 // The inputs with the right operands that every query chunk of a head multiplies by packed once per head, into
 // `storage` (HalfOperands: K^T and V for the forward; K^T, V^T and K for the backward), instead of once per block
-// and chunk. Unchanged without half-type products.
+// and chunk. An operand whose head size, padded to the packs' 64 columns or depth, would more than double is left
+// to the blocks (a head of 8 would take 8 times its memory for the whole call). Unchanged without half-type
+// products.
 template <typename T>
 AttentionInputs<T> with_packed_heads(const AttentionInputs<T>& in, bool backward,
                                      std::unique_ptr<uint16_t[]>& storage) {
@@ -209,10 +211,11 @@ AttentionInputs<T> with_packed_heads(const AttentionInputs<T>& in, bool backward
   AttentionInputs<T> packed = in;
   HalfOperands& half = packed.half;
   const int64_t keys = padded_depth(in.len_k);
-  half.keys_t = {nullptr, packed_size(padded_depth(in.d_k), in.len_k), padded_depth(in.d_k)};
-  half.values = {nullptr, backward ? 0 : packed_size(keys, in.d_v), keys};
-  half.values_t = {nullptr, backward ? packed_size(padded_depth(in.d_v), in.len_k) : 0, padded_depth(in.d_v)};
-  half.keys = {nullptr, backward ? packed_size(keys, in.d_k) : 0, keys};
+  const bool k_fits = padded_depth(in.d_k) <= 2 * in.d_k, v_fits = padded_depth(in.d_v) <= 2 * in.d_v;
+  half.keys_t = {nullptr, k_fits ? packed_size(padded_depth(in.d_k), in.len_k) : 0, padded_depth(in.d_k)};
+  half.values = {nullptr, !backward && v_fits ? packed_size(keys, in.d_v) : 0, keys};
+  half.values_t = {nullptr, backward && v_fits ? packed_size(padded_depth(in.d_v), in.len_k) : 0, padded_depth(in.d_v)};
+  half.keys = {nullptr, backward && k_fits ? packed_size(keys, in.d_k) : 0, keys};
   const int64_t heads = in.batch * in.heads;
   int64_t total = 0;
   for (PackedHeads* p : {&half.keys_t, &half.values, &half.values_t, &half.keys}) total += p->per_head * heads;
@@ -232,7 +235,9 @@ AttentionInputs<T> with_packed_heads(const AttentionInputs<T>& in, bool backward
   at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const Head<T> head = head_pointers(in, bh);
-      pack_transposed(head.half_k, k_ld, in.len_k, in.d_k, half.vnni, keys_t + bh * half.keys_t.per_head);
+      if (keys_t != nullptr) {
+        pack_transposed(head.half_k, k_ld, in.len_k, in.d_k, half.vnni, keys_t + bh * half.keys_t.per_head);
+      }
       if (values != nullptr) {
         pack_rows(head.half_v, v_ld, in.len_k, in.d_v, half.vnni, values + bh * half.values.per_head);
       }

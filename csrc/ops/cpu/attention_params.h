@@ -97,17 +97,18 @@ inline int64_t backward_query_chunk(bool blocked, int64_t len_q, int64_t len_k, 
 }
 
 // Keys per block of the online-softmax forward: the block's rows of K and V fill about the core's L2 cache
-// (their scores, rows x block, stream through it). A multiple of 16 keys between 64 and 1024; on Zen 3 (512 KiB
+// (their scores, rows x block, stream through it). A multiple of 64 keys between 64 and 1024, so that the blocks
+// of the half-type products start on the panels of the operands packed per head (half_gemm.h); on Zen 3 (512 KiB
 // L2) at d 64 and 128, blocks of 512-1024 keys measured 2-15% faster than 160-256.
 inline int64_t forward_key_block(int64_t l2_bytes, int64_t d_k, int64_t d_v, int64_t element_bytes) {
-  return std::clamp<int64_t>(l2_bytes / ((d_k + d_v) * element_bytes) / 16 * 16, 64, 1024);
+  return std::clamp<int64_t>(l2_bytes / ((d_k + d_v) * element_bytes) / kPanel * kPanel, 64, 1024);
 }
 
 // Keys per block of the blocked backward, which keeps two rows x block buffers (P and dS) in use at once: both
 // together fill about the L2 cache for a chunk of `rows` queries (on Zen 3, 256 keys measured 5-15% faster than
-// 512-1024 for forward + backward).
+// 512-1024 for forward + backward). A multiple of 64 keys, as the forward's.
 inline int64_t backward_key_block(int64_t l2_bytes, int64_t rows, int64_t element_bytes) {
-  return std::clamp<int64_t>(l2_bytes / (2 * std::max<int64_t>(rows, 1) * element_bytes) / 16 * 16, 64, 1024);
+  return std::clamp<int64_t>(l2_bytes / (2 * std::max<int64_t>(rows, 1) * element_bytes) / kPanel * kPanel, 64, 1024);
 }
 
 // One implementation per CPU capability (compiled with its own vector ISA flags); see cpu/cpu_capability.cpp.
