@@ -89,6 +89,15 @@ inline HalfScratch& half_scratch() {
   return scratch;
 }
 
+// n fp32 values rounded to the half type `kind` (its bits), with vector conversions.
+inline void round_to_half(HalfKind kind, const float* src, uint16_t* dst, int64_t n) {
+  if (kind == HalfKind::kBFloat16) {
+    at::vec::convert(src, reinterpret_cast<at::BFloat16*>(dst), n);
+  } else {
+    at::vec::convert(src, reinterpret_cast<at::Half*>(dst), n);
+  }
+}
+
 // Rows of fp32 (row stride ld, n elements each) rounded to the half type as a left operand (half_gemm.h).
 template <typename T>
 void rows_to_half(HalfKind kind, const T* src, int64_t ld, int64_t rows, int64_t n, uint16_t* dst) {
@@ -96,12 +105,7 @@ void rows_to_half(HalfKind kind, const T* src, int64_t ld, int64_t rows, int64_t
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t k0 = 0; k0 < n; k0 += kMaxDepthPiece) {
         const int64_t width = std::min(kMaxDepthPiece, n - k0);
-        uint16_t* out = dst + left_index(r, k0, rows);
-        if (kind == HalfKind::kBFloat16) {
-          at::vec::convert(src + r * ld + k0, reinterpret_cast<at::BFloat16*>(out), width);
-        } else {
-          at::vec::convert(src + r * ld + k0, reinterpret_cast<at::Half*>(out), width);
-        }
+        round_to_half(kind, src + r * ld + k0, dst + left_index(r, k0, rows), width);
       }
     }
     zero_left_padding(rows, n, dst);
@@ -121,13 +125,7 @@ void transposed_to_half(HalfKind kind, const T* src, int64_t ld, int64_t rows, i
     band.resize(static_cast<size_t>(kBand * n));
     for (int64_t r0 = 0; r0 < rows; r0 += kBand) {
       const int64_t height = std::min(kBand, rows - r0);
-      for (int64_t r = 0; r < height; ++r) {
-        if (kind == HalfKind::kBFloat16) {
-          at::vec::convert(src + (r0 + r) * ld, reinterpret_cast<at::BFloat16*>(band.data() + r * n), n);
-        } else {
-          at::vec::convert(src + (r0 + r) * ld, reinterpret_cast<at::Half*>(band.data() + r * n), n);
-        }
-      }
+      for (int64_t r = 0; r < height; ++r) round_to_half(kind, src + (r0 + r) * ld, band.data() + r * n, n);
       for (int64_t j = 0; j < n; ++j) {
         uint16_t* out = dst + left_index(j, r0, n);
         for (int64_t r = 0; r < height; ++r) out[r] = band[r * n + j];
