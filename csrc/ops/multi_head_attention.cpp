@@ -10,6 +10,7 @@
 #include "ops/attention_ops.h"
 #include "ops/checks.h"
 #include "ops/heads.h"
+#include "ops/projection_backward.h"
 
 namespace fastmha {
 
@@ -56,9 +57,6 @@ MultiHeadAttentionBackwardResult multi_head_attention_backward(
 
 namespace {
 
-// Flattens (batch, L, d) to (batch * L, d) for the weight gradients.
-at::Tensor rows(const at::Tensor& x) { return x.reshape_symint({x.sym_size(0) * x.sym_size(1), x.sym_size(2)}); }
-
 detail::MultiHeadAttentionForwardResult multi_head_attention_forward_kernel(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& w_q,
     const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o, int64_t num_heads,
@@ -82,20 +80,15 @@ detail::MultiHeadAttentionBackwardResult multi_head_attention_backward_kernel(
     const at::Tensor& context, const at::Tensor& logsumexp, const at::Tensor& rng_state, int64_t num_heads,
     const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal) {
   // output = context @ w_o^T
-  auto grad_w_o = rows(grad_output).t().mm(rows(context));
-  auto grad_context = grad_output.matmul(w_o);
+  auto [grad_context, grad_w_o] = projection_backward(grad_output, context, w_o);
   auto [grad_q_heads, grad_k_heads, grad_v_heads] =
       detail::attention_backward(split_heads(grad_context, num_heads), grad_weights, split_heads(query_proj, num_heads),
                                  split_heads(key_proj, num_heads), split_heads(value_proj, num_heads), mask,
                                  split_heads(context, num_heads), logsumexp, rng_state, dropout_p, is_causal);
   // x_proj = x @ w_x^T for x in (query, key, value)
-  auto backward_projection = [](const at::Tensor& grad_heads, const at::Tensor& input, const at::Tensor& weight) {
-    auto grad_proj = merge_heads(grad_heads);
-    return std::make_pair(grad_proj.matmul(weight), rows(grad_proj).t().mm(rows(input)));
-  };
-  auto [grad_query, grad_w_q] = backward_projection(grad_q_heads, query, w_q);
-  auto [grad_key, grad_w_k] = backward_projection(grad_k_heads, key, w_k);
-  auto [grad_value, grad_w_v] = backward_projection(grad_v_heads, value, w_v);
+  auto [grad_query, grad_w_q] = projection_backward(merge_heads(grad_q_heads), query, w_q);
+  auto [grad_key, grad_w_k] = projection_backward(merge_heads(grad_k_heads), key, w_k);
+  auto [grad_value, grad_w_v] = projection_backward(merge_heads(grad_v_heads), value, w_v);
   return {grad_query, grad_key, grad_value, grad_w_q, grad_w_k, grad_w_v, grad_w_o};
 }
 

@@ -1,0 +1,74 @@
+#include "ops/projection_backward.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace fastmha {
+namespace {
+
+// Flattens (batch, L, d) to (batch * L, d).
+at::Tensor rows(const at::Tensor& x) { return x.reshape_symint({x.sym_size(0) * x.sym_size(1), x.sym_size(2)}); }
+
+// Only dense CPU tensors with data are scanned: elsewhere the scan would synchronize a device, or there is no
+// data to read (meta tensors, and the fake tensors of graph capture, which dispatch through Python).
+bool scannable(const at::Tensor& t) {
+  return t.device().is_cpu() && t.layout() == at::kStrided && t.has_storage() &&
+         !t.key_set().has(c10::DispatchKey::Python);
+}
+
+// The rows r of g (n x d_out) whose products must run: g's row is not all zero, or x's row (n x d_in) is not all
+// finite. A nonzero row usually ends its scan at its first element, so dense gradients cost a read per row.
+template <typename T>
+std::vector<int64_t> rows_to_compute(const at::Tensor& g, const at::Tensor& x) {
+  const int64_t n = g.size(0), d_out = g.size(1), d_in = x.size(1);
+  const T* g_data = g.const_data_ptr<T>();
+  const T* x_data = x.const_data_ptr<T>();
+  const int64_t g_row = g.stride(0), g_col = g.stride(1), x_row = x.stride(0), x_col = x.stride(1);
+  std::vector<char> needed(n);
+  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      bool zero = true;
+      for (int64_t j = 0; j < d_out && zero; ++j) zero = static_cast<float>(g_data[r * g_row + j * g_col]) == 0.f;
+      bool finite = true;
+      for (int64_t j = 0; j < d_in && zero && finite; ++j) {
+        finite = std::isfinite(static_cast<double>(x_data[r * x_row + j * x_col]));
+      }
+      needed[r] = !(zero && finite);
+    }
+  });
+  std::vector<int64_t> indices;
+  for (int64_t r = 0; r < n; ++r) {
+    if (needed[r]) indices.push_back(r);
+  }
+  return indices;
+}
+
+}  // namespace
+
+std::pair<at::Tensor, at::Tensor> projection_backward(const at::Tensor& grad_y, const at::Tensor& x,
+                                                      const at::Tensor& weight) {
+  const at::Tensor g = rows(grad_y), x_rows = rows(x);
+  if (!scannable(g) || !scannable(x_rows) || !scannable(weight) || g.scalar_type() != x_rows.scalar_type()) {
+    return {grad_y.matmul(weight), g.t().mm(x_rows)};
+  }
+  std::vector<int64_t> needed;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "projection_backward",
+                                  [&] { needed = rows_to_compute<scalar_t>(g, x_rows); });
+  const int64_t n = g.size(0);
+  // Gathering the rows costs a pass over them; with few zero rows the whole products are faster. A zero row of
+  // dy times an infinite or NaN weight is NaN in the math: the whole product gives it.
+  if (static_cast<int64_t>(needed.size()) * 4 > n * 3 || !at::isfinite(weight).all().item<bool>()) {
+    return {grad_y.matmul(weight), g.t().mm(x_rows)};
+  }
+  const at::Tensor index = at::tensor(needed, at::TensorOptions().dtype(at::kLong));
+  const at::Tensor g_needed = g.index_select(0, index);
+  at::Tensor grad_x = at::zeros({n, weight.size(1)}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  grad_x.index_copy_(0, index, g_needed.mm(weight));
+  return {grad_x.view(x.sizes()), g_needed.t().mm(x_rows.index_select(0, index))};
+}
+
+}  // namespace fastmha

@@ -1,0 +1,21 @@
+// The gradients of the block's bias-free projections y = x W^T, skipping rows whose gradient is zero.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <utility>
+
+namespace fastmha {
+
+// (d(x), dW) for y = x W^T: d(x) = dy W and dW = dy^T x, with x and dy of shape (batch, L, features) and W
+// (out_features, in_features).
+//
+// Training on padded batches gives many rows of dy that are exactly zero: a loss that ignores padded targets
+// sends no gradient to their positions, nor (through the attention) to keys that no query sees. Such a row adds
+// nothing to dW and has a zero row of d(x), so on CPU the products run over the other rows only, when they are at
+// most 3/4 of all. A zero row of dy still counts where the math gives NaN: when x's row or W holds an infinity or
+// a NaN (0 * inf).
+std::pair<at::Tensor, at::Tensor> projection_backward(const at::Tensor& grad_y, const at::Tensor& x,
+                                                      const at::Tensor& weight);
+
+}  // namespace fastmha

@@ -1,0 +1,91 @@
+"""The block's backward on padded batches, where many rows of the projections' gradients are exactly zero (a loss
+that ignores padded positions, keys that no query sees), against autograd through the oracle: the same
+gradients, and NaN exactly where the math has 0 * inf."""
+
+import pytest
+import torch
+from conftest import TOLERANCES
+from oracle import OracleBlock
+
+import fastmha
+
+D_MODEL, HEADS = 8, 2
+KEPT_QUERIES = [3, 2]  # per sentence; the other query positions are padding the loss ignores
+SEEN_KEYS = [2, 3]  # per sentence; the other keys are masked for every query
+
+
+def padded_batch(dtype, device, len_q=8, len_k=8):
+    q = torch.randn(2, len_q, D_MODEL, dtype=dtype, device=device)
+    k = torch.randn(2, len_k, D_MODEL, dtype=dtype, device=device)
+    v = torch.randn(2, len_k, D_MODEL, dtype=dtype, device=device)
+    mask = (torch.arange(len_k, device=device)[None, :] < torch.tensor(SEEN_KEYS, device=device)[:, None])
+    kept = (torch.arange(len_q, device=device)[None, :] < torch.tensor(KEPT_QUERIES, device=device)[:, None])
+    # A weighted sum over the kept positions: a row of the output's gradient is zero exactly at padding.
+    loss_weights = torch.randn(2, len_q, D_MODEL, dtype=dtype, device=device) * kept[..., None]
+    return q, k, v, mask[:, None, None, :].to(torch.int64), loss_weights
+
+
+def gradients(block, q, k, v, mask, loss_weights):
+    inputs = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    out = block(*inputs, mask)
+    if isinstance(out, tuple):
+        out = out[0]
+    (out * loss_weights).sum().backward()
+    params = [block.w_q.weight, block.w_k.weight, block.w_v.weight, block.w_o.weight]
+    return [t.grad for t in inputs] + [p.grad for p in params]
+
+
+def blocks(dtype, device):
+    block = fastmha.MultiHeadAttentionBlock(D_MODEL, HEADS, 0.0).to(device, dtype)
+    oracle = OracleBlock(D_MODEL, HEADS).to(device, torch.float64)
+    oracle.load_state_dict({name: t.double() for name, t in block.state_dict().items()})
+    return block, oracle
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_padded_batch_gradients_match_oracle(device, dtype):
+    block, oracle = blocks(dtype, device)
+    q, k, v, mask, loss_weights = padded_batch(dtype, device)
+    got = gradients(block, q, k, v, mask, loss_weights)
+    want = gradients(oracle, q.double(), k.double(), v.double(), mask, loss_weights.double())
+    names = ["query", "key", "value", "w_q", "w_k", "w_v", "w_o"]
+    for name, g, w in zip(names, got, want):
+        torch.testing.assert_close(g.double(), w, **TOLERANCES[dtype], msg=lambda m: f"grad of {name}: {m}")
+    # Padded query rows and unseen key rows have no gradient at all.
+    for b in range(2):
+        assert (got[0][b, KEPT_QUERIES[b]:] == 0).all()
+        assert (got[1][b, SEEN_KEYS[b]:] == 0).all() and (got[2][b, SEEN_KEYS[b]:] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("where", ["unseen key", "unseen value", "padded query", "w_v"])
+def test_infinity_behind_a_zero_gradient_row_gives_nan_as_the_math_does(device, dtype, where):
+    """0 * inf is NaN: a zero row of a projection's gradient times an infinite input row (in dW) or an infinite
+    weight (in the input's gradient) makes the same NaNs as autograd through the oracle."""
+    block, oracle = blocks(dtype, device)
+    q, k, v, mask, loss_weights = padded_batch(dtype, device)
+    if where == "unseen key":
+        k[0, -1, 3] = float("inf")
+    elif where == "unseen value":
+        v[1, -1, 5] = float("-inf")
+    elif where == "padded query":
+        q[0, -1, 2] = float("inf")
+    else:
+        with torch.no_grad():
+            block.w_v.weight[1, 4] = float("inf")
+            oracle.w_v.weight[1, 4] = float("inf")
+    got = gradients(block, q, k, v, mask, loss_weights)
+    want = gradients(oracle, q.double(), k.double(), v.double(), mask, loss_weights.double())
+    names = ["query", "key", "value", "w_q", "w_k", "w_v", "w_o"]
+    assert any(w.isnan().any() for w in want)  # the case makes NaN in the math
+    for name, g, w in zip(names, got, want):
+        assert torch.equal(g.isnan(), w.isnan()), f"grad of {name}: NaN at other places than the oracle's"
+        torch.testing.assert_close(g.double(), w, **TOLERANCES[dtype], equal_nan=True,
+                                   msg=lambda m: f"grad of {name}: {m}")
+
+
+def test_no_output_gradient_gives_zero_gradients(device):
+    block, _ = blocks(torch.float32, device)
+    q, k, v, mask, _ = padded_batch(torch.float32, device)
+    for g in gradients(block, q, k, v, mask, torch.zeros(2, 8, D_MODEL, device=device)):
+        assert (g == 0).all()
