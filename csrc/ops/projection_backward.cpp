@@ -1,6 +1,7 @@
 #include "ops/projection_backward.h"
 
 #include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -24,6 +25,7 @@ bool scannable(const at::Tensor& t) {
 // finite. A nonzero row usually ends its scan at its first element, so dense gradients cost a read per row.
 template <typename T>
 std::vector<int64_t> rows_to_compute(const at::Tensor& g, const at::Tensor& x) {
+  using Acc = at::opmath_type<T>;  // a zero test at T's own precision (a tiny double is not zero)
   const int64_t n = g.size(0), d_out = g.size(1), d_in = x.size(1);
   const T* g_data = g.const_data_ptr<T>();
   const T* x_data = x.const_data_ptr<T>();
@@ -32,7 +34,7 @@ std::vector<int64_t> rows_to_compute(const at::Tensor& g, const at::Tensor& x) {
   at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       bool zero = true;
-      for (int64_t j = 0; j < d_out && zero; ++j) zero = static_cast<float>(g_data[r * g_row + j * g_col]) == 0.f;
+      for (int64_t j = 0; j < d_out && zero; ++j) zero = static_cast<Acc>(g_data[r * g_row + j * g_col]) == Acc(0);
       bool finite = true;
       for (int64_t j = 0; j < d_in && zero && finite; ++j) {
         finite = std::isfinite(static_cast<double>(x_data[r * x_row + j * x_col]));
@@ -66,7 +68,7 @@ std::pair<at::Tensor, at::Tensor> projection_backward(const at::Tensor& grad_y, 
   }
   const at::Tensor index = at::tensor(needed, at::TensorOptions().dtype(at::kLong));
   const at::Tensor g_needed = g.index_select(0, index);
-  at::Tensor grad_x = at::zeros({n, weight.size(1)}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor grad_x = at::zeros({n, weight.size(1)}, x.options());
   grad_x.index_copy_(0, index, g_needed.mm(weight));
   return {grad_x.view(x.sizes()), g_needed.t().mm(x_rows.index_select(0, index))};
 }

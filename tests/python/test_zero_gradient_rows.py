@@ -42,7 +42,7 @@ def blocks(dtype, device):
     return block, oracle
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 def test_padded_batch_gradients_match_oracle(device, dtype):
     block, oracle = blocks(dtype, device)
     q, k, v, mask, loss_weights = padded_batch(dtype, device)
@@ -82,6 +82,30 @@ def test_infinity_behind_a_zero_gradient_row_gives_nan_as_the_math_does(device, 
         assert torch.equal(g.isnan(), w.isnan()), f"grad of {name}: NaN at other places than the oracle's"
         torch.testing.assert_close(g.double(), w, **TOLERANCES[dtype], equal_nan=True,
                                    msg=lambda m: f"grad of {name}: {m}")
+
+
+def test_tiny_float64_gradients_are_not_taken_for_zero(device):
+    """Gradients of 1e-300 are zero in float32 but not in float64: the rows that carry them still count."""
+    block, oracle = blocks(torch.float64, device)
+    q, k, v, mask, loss_weights = padded_batch(torch.float64, device)
+    got = gradients(block, q, k, v, mask, loss_weights * 1e-300)
+    want = gradients(oracle, q, k, v, mask, loss_weights * 1e-300)
+    for g, w in zip(got, want):
+        assert torch.equal(g == 0, w == 0)
+        torch.testing.assert_close(g * 1e300, w * 1e300, **TOLERANCES[torch.float64])
+
+
+def test_empty_batch_and_expanded_zero_gradient(device):
+    block, _ = blocks(torch.float32, device)
+    q, k, v, mask, _ = padded_batch(torch.float32, device)
+    empty = [t[:0].detach().requires_grad_(True) for t in (q, k, v)]
+    block(*empty, mask[:0]).sum().backward()
+    assert [t.grad.shape for t in empty] == [t.shape for t in empty]
+    assert all((p.grad == 0).all() for p in block.parameters())
+    # out.sum() * 0 sends an expanded (stride 0) gradient of zeros.
+    inputs = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    (block(*inputs, mask).sum() * 0).backward()
+    assert all((t.grad == 0).all() for t in inputs)
 
 
 def test_no_output_gradient_gives_zero_gradients(device):
