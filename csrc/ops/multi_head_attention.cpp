@@ -11,6 +11,7 @@
 #include "ops/checks.h"
 #include "ops/heads.h"
 #include "ops/projection_backward.h"
+#include "ops/unseen_keys.h"
 
 namespace fastmha {
 
@@ -63,11 +64,29 @@ detail::MultiHeadAttentionForwardResult multi_head_attention_forward_kernel(
     const std::optional<at::Tensor>& mask, double dropout_p, bool need_weights, bool is_causal) {
   check_block_inputs(query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p);
   auto query_proj = at::linear(query, w_q);
-  auto key_proj = at::linear(key, w_k);
-  auto value_proj = at::linear(value, w_v);
-  auto [heads_out, weights, logsumexp, rng_state] =
-      detail::attention_forward(split_heads(query_proj, num_heads), split_heads(key_proj, num_heads),
-                                split_heads(value_proj, num_heads), mask, dropout_p, need_weights, is_causal);
+  at::Tensor key_proj, value_proj;
+  auto attend = [&] {
+    return detail::attention_forward(split_heads(query_proj, num_heads), split_heads(key_proj, num_heads),
+                                     split_heads(value_proj, num_heads), mask, dropout_p, need_weights, is_causal);
+  };
+  // Keys that no query sees are projected only when the attention turns out to give them some weight.
+  std::optional<detail::AttentionForwardResult> core;
+  if (const auto rows = split_key_rows(mask, key, value, is_causal);
+      rows.has_value() && projection_surely_finite(key, w_k, rows->unseen) &&
+      projection_surely_finite(value, w_v, rows->unseen)) {
+    key_proj = project_rows(key, w_k, rows->seen);
+    value_proj = project_rows(value, w_v, rows->seen);
+    core = attend();
+    if (!unseen_keys_weigh_zero(std::get<2>(*core), key.size(1))) {
+      core.reset();
+    }
+  }
+  if (!core.has_value()) {
+    key_proj = at::linear(key, w_k);
+    value_proj = at::linear(value, w_v);
+    core = attend();
+  }
+  auto [heads_out, weights, logsumexp, rng_state] = *core;
   auto context = merge_heads(heads_out);
   auto output = at::linear(context, w_o);
   return {output, weights, query_proj, key_proj, value_proj, context, logsumexp, rng_state};
@@ -125,10 +144,13 @@ TORCH_LIBRARY_FRAGMENT(fastmha, m) {
       "Tensor value_proj, Tensor context, Tensor logsumexp, Tensor rng_state, int num_heads, Tensor? mask, "
       "float dropout_p, bool is_causal) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_w_q, "
       "Tensor grad_w_k, Tensor grad_w_v, Tensor grad_w_o)");
+  // For the block's reuse of key and value projections kept from an earlier call (python/fastmha/modules.py).
+  m.def("_unseen_keys_weigh_zero(Tensor logsumexp, int len_k) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(fastmha, CompositeExplicitAutograd, m) {
   m.impl("multi_head_attention", &multi_head_attention_composite);
+  m.impl("_unseen_keys_weigh_zero", &unseen_keys_weigh_zero);
   m.impl("_multi_head_attention_forward", &multi_head_attention_forward_kernel);
   m.impl("_multi_head_attention_backward", &multi_head_attention_backward_kernel);
 }

@@ -53,7 +53,15 @@ class _Source(NamedTuple):
 class _Entry(NamedTuple):
     sources: List[_Source]
     context: object
+    mask: Optional[Tensor]
     projections: Tuple[Tensor, ...]
+
+
+def _same_mask(mask: Optional[Tensor], kept: Optional[Tensor]) -> bool:
+    if mask is None or kept is None:
+        return mask is None and kept is None
+    return (mask.shape == kept.shape and mask.dtype == kept.dtype and mask.device == kept.device
+            and torch.equal(mask, kept))
 
 
 class ProjectionMemo:
@@ -63,11 +71,14 @@ class ProjectionMemo:
         # One attribute, replaced whole: a lookup never pairs one call's sources with another's projections.
         self._entry: Optional[_Entry] = None
 
-    def lookup(self, sources: Sequence[Tensor], context: object = None) -> Optional[Tuple[Tensor, ...]]:
+    def lookup(self, sources: Sequence[Tensor], context: object = None,
+               mask: Optional[Tensor] = None) -> Optional[Tuple[Tensor, ...]]:
         """The projections stored for exactly these tensors, unchanged since, under an equal ``context`` (what
-        else decides the projections' bits: thread count, matmul precision); None otherwise."""
+        else decides the projections' bits: thread count, matmul precision) and a mask of equal values (which
+        decides the keys that the block projects); None otherwise."""
         entry = self._entry
-        if entry is None or len(sources) != len(entry.sources) or entry.context != context:
+        if (entry is None or len(sources) != len(entry.sources) or entry.context != context
+                or not _same_mask(mask, entry.mask)):
             return None
         for t, source in zip(sources, entry.sources):
             if source.ref() is not t or _fingerprint(t) != source.fingerprint:
@@ -79,7 +90,8 @@ class ProjectionMemo:
             compared.add(id(t))
         return entry.projections
 
-    def store(self, sources: Sequence[Tensor], projections: Tuple[Tensor, ...], context: object = None) -> None:
+    def store(self, sources: Sequence[Tensor], projections: Tuple[Tensor, ...], context: object = None,
+              mask: Optional[Tensor] = None) -> None:
         copies: Dict[int, Tensor] = {}  # key and value are often one tensor: one copy
         for t in sources:
             if id(t) not in copies:
@@ -93,7 +105,7 @@ class ProjectionMemo:
                 owner._forget(dead)
 
         self._entry = _Entry([_Source(weakref.ref(t, forget), _fingerprint(t), copies[id(t)]) for t in sources],
-                             context, projections)
+                             context, None if mask is None else mask.detach().clone(), projections)
 
     def clear(self) -> None:
         self._entry = None

@@ -120,16 +120,19 @@ class MultiHeadAttentionBlock(nn.Module):
         sources = (k, v, w_k, w_v)
         if not all(can_hold(t) for t in sources) or torch.is_autocast_enabled("cpu"):
             return None
-        # Besides the sources, what decides the projections' bits.
+        if mask is not None and (type(mask) is not Tensor or mask.device != k.device):
+            return None
+        # Besides the sources, what decides the projections' bits; the mask decides which keys are projected
+        # (the block leaves out keys that no query sees).
         settings = (torch.get_num_threads(), torch.get_float32_matmul_precision())
-        projections = self._projection_memo.lookup(sources, settings)
+        projections = self._projection_memo.lookup(sources, settings, mask)
         if projections is None:
             output, attention_weights, _, key_proj, value_proj, _, _, _ = (
                 torch.ops.fastmha._multi_head_attention_forward(
                     q, k, v, w_q, w_k, w_v, w_o, self.h, mask, p, self.need_weights, self.is_causal
                 )
             )
-            self._projection_memo.store(sources, (key_proj, value_proj), settings)
+            self._projection_memo.store(sources, (key_proj, value_proj), settings, mask)
             return output, attention_weights
         if not all(type(t) in (Tensor, nn.Parameter) and t.dtype == k.dtype and t.device == k.device
                    for t in (q, w_q, w_o)):
@@ -141,10 +144,14 @@ class MultiHeadAttentionBlock(nn.Module):
         def split_heads(x: Tensor) -> Tensor:
             return x.view(x.shape[0], x.shape[1], self.h, self.d_k).transpose(1, 2)
 
-        heads_out, attention_weights, _, _ = torch.ops.fastmha._attention_forward(
+        heads_out, attention_weights, logsumexp, _ = torch.ops.fastmha._attention_forward(
             split_heads(F.linear(q, w_q)), split_heads(projections[0]), split_heads(projections[1]), mask, p,
             self.need_weights, self.is_causal,
         )
+        # Kept projections may leave out keys that no query sees: when these queries give such a key some
+        # weight (a row scored at or below -1e9 everywhere), the block's op projects every key.
+        if mask is not None and not torch.ops.fastmha._unseen_keys_weigh_zero(logsumexp, k.shape[1]):
+            return None
         context = heads_out.transpose(1, 2).reshape(q.shape[0], q.shape[1], self.d_model).contiguous()
         return F.linear(context, w_o), attention_weights
 

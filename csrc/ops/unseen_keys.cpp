@@ -1,0 +1,73 @@
+#include "ops/unseen_keys.h"
+
+#include <ATen/Dispatch.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace fastmha {
+namespace {
+
+constexpr double kMaskedScore = -1e9;  // the document's fill for mask == 0
+
+bool dense_cpu(const at::Tensor& t) {
+  return t.device().is_cpu() && t.layout() == at::kStrided && t.has_storage() &&
+         !t.key_set().has(c10::DispatchKey::Python);
+}
+
+at::Tensor flat_rows(const at::Tensor& x) { return x.reshape({x.size(0) * x.size(1), x.size(2)}); }
+
+}  // namespace
+
+std::optional<KeyRows> split_key_rows(const std::optional<at::Tensor>& mask, const at::Tensor& key,
+                                      const at::Tensor& value, bool is_causal) {
+  if (!mask.has_value() || is_causal || !dense_cpu(*mask) || !dense_cpu(key) || !dense_cpu(value)) {
+    return std::nullopt;
+  }
+  const at::Tensor& m = *mask;
+  const int64_t batch = key.size(0), len_k = key.size(1);
+  if (m.dim() == 0 || m.size(-1) == 1 || batch * len_k == 0) {
+    return std::nullopt;
+  }
+  std::vector<int64_t> sizes(4 - m.dim(), 1);
+  sizes.insert(sizes.end(), m.sizes().begin(), m.sizes().end());
+  // (1 or batch, Lk): whether any head's query sees the key (as the kernels read masks: nonzero, NaN too).
+  const at::Tensor seen = m.ne(0).view(sizes).any(2).any(1).expand({batch, len_k}).reshape(-1);
+  at::Tensor rows = at::nonzero(seen).squeeze(1);
+  if (rows.size(0) * 4 > batch * len_k * 3) {
+    return std::nullopt;
+  }
+  return KeyRows{rows, at::nonzero(seen.logical_not()).squeeze(1)};
+}
+
+at::Tensor project_rows(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& rows) {
+  at::Tensor out = at::zeros({x.size(0), x.size(1), weight.size(0)}, x.options());
+  out.view({-1, weight.size(0)}).index_copy_(0, rows, at::linear(flat_rows(x).index_select(0, rows), weight));
+  return out;
+}
+
+bool projection_surely_finite(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& rows) {
+  if (rows.numel() == 0) {
+    return true;
+  }
+  double largest = 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "projection_surely_finite",
+                                  [&] { largest = static_cast<double>(std::numeric_limits<scalar_t>::max()); });
+  const double x_max = flat_rows(x).index_select(0, rows).abs().amax().item<double>();
+  const double w_row_sum = weight.to(at::kDouble).abs().sum(1).amax().item<double>();
+  return x_max * w_row_sum < largest / 2;  // false for NaN and infinity
+}
+
+bool unseen_keys_weigh_zero(const at::Tensor& logsumexp, int64_t len_k) {
+  if (logsumexp.numel() == 0) {
+    return true;
+  }
+  // exp underflows to exactly 0 below about -104 in float (the kernels' accumulation type for every dtype but
+  // double) and -745 in double.
+  const double underflow = logsumexp.scalar_type() == at::kDouble ? 750.0 : 110.0;
+  const double least = logsumexp.min().item<double>();
+  return least > kMaskedScore + std::log(static_cast<double>(len_k)) + underflow;
+}
+
+}  // namespace fastmha
