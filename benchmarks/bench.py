@@ -6,8 +6,9 @@ Peers (same weights, same inputs):
   mha_w/mha_nw torch.nn.MultiheadAttention(bias=False, batch_first=True), need_weights True / False
   fastmha_w    fastmha.MultiHeadAttentionBlock, weights kept (the drop-in default)
   fastmha_nw   fastmha.MultiHeadAttentionBlock(need_weights=False)
-  bound        the same four projections around an attention core that costs nothing: no block can beat its
-               time, and oracle / bound is the most any attention block could speed the oracle up
+  bound        the same four projections around an attention core that costs nothing: no block that computes
+               every projection row can beat its time, and oracle / bound is the most such a block could speed
+               the oracle up (fastmha's skips the rows of keys that a mask hides from every query)
 
 Each configuration runs every peer once per round, for --repeats rounds (interleaved, so drift hits all
 peers alike), and reports medians, ratios (peer time / fastmha time: > 1 means fastmha is faster), GFLOP/s,
