@@ -2,8 +2,11 @@
 // dispatcher calls, and its kernels. The block is GEMMs around the attention core, so one device-generic
 // implementation serves every backend: the projections go to the backend's BLAS, the core to its own kernel.
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
+
+#include <mutex>
 
 #include <fastmha/ops.h>
 
@@ -74,14 +77,27 @@ detail::MultiHeadAttentionForwardResult multi_head_attention_forward_kernel(
   if (const auto rows = split_key_rows(mask, key, value, is_causal);
       rows.has_value() && projection_surely_finite(key, w_k, rows->unseen) &&
       projection_surely_finite(value, w_v, rows->unseen)) {
+    // A second run draws the same dropout as the first: the CPU generator is put back as it was.
+    at::Generator generator = at::detail::getDefaultCPUGenerator();
+    at::Tensor generator_state;
+    if (dropout_p > 0) {
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      generator_state = generator.get_state();
+    }
     key_proj = project_rows(key, w_k, rows->seen);
     value_proj = project_rows(value, w_v, rows->seen);
     core = attend();
     if (!unseen_keys_weigh_zero(std::get<2>(*core), key.size(1))) {
-      core.reset();
+      // The seen rows keep their bits: every call with this mask projects them alike.
+      project_rows_into(key_proj, key, w_k, rows->unseen);
+      project_rows_into(value_proj, value, w_v, rows->unseen);
+      if (dropout_p > 0) {
+        std::lock_guard<std::mutex> lock(generator.mutex());
+        generator.set_state(generator_state);
+      }
+      core = attend();
     }
-  }
-  if (!core.has_value()) {
+  } else {
     key_proj = at::linear(key, w_k);
     value_proj = at::linear(value, w_v);
     core = attend();

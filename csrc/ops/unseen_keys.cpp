@@ -32,8 +32,13 @@ std::optional<KeyRows> split_key_rows(const std::optional<at::Tensor>& mask, con
   }
   std::vector<int64_t> sizes(4 - m.dim(), 1);
   sizes.insert(sizes.end(), m.sizes().begin(), m.sizes().end());
-  // (1 or batch, Lk): whether any head's query sees the key (as the kernels read masks: nonzero, NaN too).
-  const at::Tensor seen = m.ne(0).view(sizes).any(2).any(1).expand({batch, len_k}).reshape(-1);
+  // As the kernels read masks: nonzero (NaN too) attends.
+  const at::Tensor visible = m.ne(0).view(sizes);
+  // A query row that sees no key spreads its weight over all keys (the -1e9 rule): all keys of its batch
+  // element count as seen.
+  const at::Tensor blind = visible.any(3).logical_not().flatten(1).any(1);
+  // (1 or batch, Lk): whether any head's query sees the key.
+  const at::Tensor seen = visible.any(2).any(1).logical_or(blind.unsqueeze(1)).expand({batch, len_k}).reshape(-1);
   at::Tensor rows = at::nonzero(seen).squeeze(1);
   if (rows.size(0) * 4 > batch * len_k * 3) {
     return std::nullopt;
@@ -41,9 +46,13 @@ std::optional<KeyRows> split_key_rows(const std::optional<at::Tensor>& mask, con
   return KeyRows{rows, at::nonzero(seen.logical_not()).squeeze(1)};
 }
 
+void project_rows_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& rows) {
+  out.view({-1, weight.size(0)}).index_copy_(0, rows, at::linear(flat_rows(x).index_select(0, rows), weight));
+}
+
 at::Tensor project_rows(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& rows) {
   at::Tensor out = at::zeros({x.size(0), x.size(1), weight.size(0)}, x.options());
-  out.view({-1, weight.size(0)}).index_copy_(0, rows, at::linear(flat_rows(x).index_select(0, rows), weight));
+  project_rows_into(out, x, weight, rows);
   return out;
 }
 
@@ -55,7 +64,7 @@ bool projection_surely_finite(const at::Tensor& x, const at::Tensor& weight, con
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "projection_surely_finite",
                                   [&] { largest = static_cast<double>(std::numeric_limits<scalar_t>::max()); });
   const double x_max = flat_rows(x).index_select(0, rows).abs().amax().item<double>();
-  const double w_row_sum = weight.to(at::kDouble).abs().sum(1).amax().item<double>();
+  const double w_row_sum = at::sum(weight.abs(), {1}, false, at::kDouble).amax().item<double>();
   return x_max * w_row_sum < largest / 2;  // false for NaN and infinity
 }
 

@@ -5,7 +5,11 @@
 // kept weight and no gradient, as long as its key and value projections are finite (0 * inf is NaN: in the output
 // through the value, in the query's gradient through the key). So the block computes the key and value projections of
 // the seen rows only, with zeros elsewhere, checks afterwards that every row's log-sum-exp leaves the unseen keys a
-// weight of exactly 0, and otherwise projects every row and runs the attention again.
+// weight of exactly 0, and otherwise projects the unseen rows too and runs the attention again (with the same
+// dropout draw).
+//
+// Left open: a finite dO whose product with an unseen value row overflows (|dO| |v| beyond the dtype's range) is
+// NaN in the math's softmax backward through that key's zero weight; with the zero row it stays finite.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -20,14 +24,18 @@ struct KeyRows {
 };
 
 // The rows some query sees through `mask` (any shape broadcastable to (batch, h, Lq, Lk); nonzero = attend), and
-// the others. nullopt where skipping is not worth it or not possible here: no mask, is_causal, a mask that does
-// not vary over keys, fewer than 1/4 of the rows unseen, or tensors other than dense CPU ones (on a GPU the
-// choice would synchronize; meta and fake tensors have no data).
+// the others. All keys of a batch element count as seen when one of its query rows sees no key (the -1e9 rule
+// spreads that row's weight over every key). nullopt where skipping is not worth it or not possible here: no mask,
+// is_causal, a mask that does not vary over keys, fewer than 1/4 of the rows unseen, or tensors other than dense CPU
+// ones (on a GPU the choice would synchronize; meta and fake tensors have no data).
 std::optional<KeyRows> split_key_rows(const std::optional<at::Tensor>& mask, const at::Tensor& key,
                                       const at::Tensor& value, bool is_causal);
 
 // x W^T (x: batch, L, d_in) on the given rows of x, and zeros on the others.
 at::Tensor project_rows(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& rows);
+
+// Writes x W^T on the given rows of x into those rows of `out` (batch, L, d_out).
+void project_rows_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& rows);
 
 // Whether x W^T is surely finite on the given rows: x there and W are finite, and the largest |x| times W's
 // largest row sum of |w| stays below half the dtype's largest value.

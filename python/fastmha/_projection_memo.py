@@ -61,7 +61,7 @@ def _same_mask(mask: Optional[Tensor], kept: Optional[Tensor]) -> bool:
     if mask is None or kept is None:
         return mask is None and kept is None
     return (mask.shape == kept.shape and mask.dtype == kept.dtype and mask.device == kept.device
-            and torch.equal(mask, kept))
+            and torch.equal(_bits(mask), _bits(kept)))
 
 
 class ProjectionMemo:

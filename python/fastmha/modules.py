@@ -120,8 +120,8 @@ class MultiHeadAttentionBlock(nn.Module):
         sources = (k, v, w_k, w_v)
         if not all(can_hold(t) for t in sources) or torch.is_autocast_enabled("cpu"):
             return None
-        if mask is not None and (type(mask) is not Tensor or mask.device != k.device):
-            return None
+        if mask is not None and (type(mask) is not Tensor or mask.device != k.device or mask.is_complex()):
+            return None  # the block's op names what is wrong with a complex mask
         # Besides the sources, what decides the projections' bits; the mask decides which keys are projected
         # (the block leaves out keys that no query sees).
         settings = (torch.get_num_threads(), torch.get_float32_matmul_precision())
@@ -144,6 +144,7 @@ class MultiHeadAttentionBlock(nn.Module):
         def split_heads(x: Tensor) -> Tensor:
             return x.view(x.shape[0], x.shape[1], self.h, self.d_k).transpose(1, 2)
 
+        generator_state = torch.random.get_rng_state() if p > 0 and mask is not None else None
         heads_out, attention_weights, logsumexp, _ = torch.ops.fastmha._attention_forward(
             split_heads(F.linear(q, w_q)), split_heads(projections[0]), split_heads(projections[1]), mask, p,
             self.need_weights, self.is_causal,
@@ -151,6 +152,8 @@ class MultiHeadAttentionBlock(nn.Module):
         # Kept projections may leave out keys that no query sees: when these queries give such a key some
         # weight (a row scored at or below -1e9 everywhere), the block's op projects every key.
         if mask is not None and not torch.ops.fastmha._unseen_keys_weigh_zero(logsumexp, k.shape[1]):
+            if generator_state is not None:  # the block's op draws the same dropout
+                torch.random.set_rng_state(generator_state)
             return None
         context = heads_out.transpose(1, 2).reshape(q.shape[0], q.shape[1], self.d_model).contiguous()
         return F.linear(context, w_o), attention_weights

@@ -106,3 +106,105 @@ def test_kept_projections_not_reused_under_a_mask_that_sees_other_keys():
             x = torch.randn(2, length, D_MODEL, dtype=torch.float64)
             out = block(x, memory, memory, mask)
             torch.testing.assert_close(out, oracle(x, memory, memory, mask)[0], **TOLERANCES[torch.float64])
+
+
+def forcing_inputs(dtype, device, below_fill):
+    """Inputs for identity blocks; with below_fill, sentence 0's queries score every seen key at -1.2e10."""
+    q = torch.randn(2, 5, D_MODEL, dtype=dtype, device=device)
+    k = torch.randn(2, 8, D_MODEL, dtype=dtype, device=device)
+    v = torch.randn(2, 8, D_MODEL, dtype=dtype, device=device)
+    k[0, : SEEN_KEYS[0]] = 7.8e4
+    q[0] = -7.8e4 if below_fill else 7.8e4
+    return q, k, v
+
+
+def test_second_run_draws_the_same_dropout(device):
+    """When the unseen keys turn out to weigh something, the attention runs again with every key projected: with
+    the same dropout draw, and the generator left as one run leaves it."""
+    block, _ = identity_blocks(torch.float64, device)
+    block.dropout.p = 0.5
+    block.train()
+    runs = {}
+    for below_fill in (False, True):
+        inputs = forcing_inputs(torch.float64, device, below_fill)
+        torch.manual_seed(7)
+        block(*inputs, padding_mask(device=device))
+        runs[below_fill] = (block.attention_scores[1] == 0, torch.rand(3, device=device))
+    # Sentence 1 has the same scores in both calls: the same weights are dropped, and the generator moved alike.
+    assert torch.equal(runs[False][0], runs[True][0])
+    assert torch.equal(runs[False][1], runs[True][1])
+
+
+def test_query_row_seeing_no_key_spreads_over_every_key(device):
+    block, oracle = identity_blocks(torch.float32, device)
+    q, k, v = forcing_inputs(torch.float32, device, below_fill=False)
+    mask = padding_mask(device=device).repeat(1, 1, 5, 1)
+    mask[1, 0, 2] = 0  # query 2 of sentence 1 sees no key: uniform over all 8
+    out = block(q, k, v, mask)
+    ref = oracle(q.double(), k.double(), v.double(), mask)[0]
+    torch.testing.assert_close(out.double(), ref, **TOLERANCES[torch.float32])
+    torch.testing.assert_close(out[1, 2], v[1].mean(0), **TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mask_shape", ["padding", "3-d", "batch of 1"])
+def test_without_kept_weights_and_other_mask_shapes(device, dtype, mask_shape):
+    block, oracle = identity_blocks(dtype, device)
+    block.need_weights = False
+    with torch.no_grad():
+        for linear in (block.w_q, block.w_k, block.w_v, block.w_o):
+            linear.weight.normal_(std=0.3)
+    oracle.load_state_dict({name: t.double() for name, t in block.state_dict().items()})
+    q, k, v = (torch.randn(2, n, D_MODEL, dtype=dtype, device=device) for n in (5, 8, 8))
+    mask = padding_mask(device=device)
+    if mask_shape == "3-d":
+        mask = mask[:1, 0]  # (1, 1, 8) lines up with (h, Lq, Lk): both sentences see sentence 0's keys
+    elif mask_shape == "batch of 1":
+        mask = mask[1:]
+    q_grad, k_grad, v_grad = (t.clone().requires_grad_(True) for t in (q, k, v))
+    out = block(q_grad, k_grad, v_grad, mask)
+    out.sum().backward()
+    q_ref, k_ref, v_ref = (t.double().requires_grad_(True) for t in (q, k, v))
+    ref = oracle(q_ref, k_ref, v_ref, mask)[0]
+    ref.sum().backward()
+    torch.testing.assert_close(out.double(), ref.detach(), **TOLERANCES[dtype])
+    for got, want in ((q_grad, q_ref), (k_grad, k_ref), (v_grad, v_ref)):
+        torch.testing.assert_close(got.grad.double(), want.grad, **TOLERANCES[dtype])
+
+
+def test_reuse_after_a_second_run_is_bit_for_bit_the_blocks_own():
+    """A first call that had to project every key keeps the seen rows as the block projects them: later reuse
+    gives the same numbers as a block that projects afresh."""
+    block, _ = identity_blocks(torch.float64, "cpu")
+    fresh, _ = identity_blocks(torch.float64, "cpu")
+    for b in (block, fresh):
+        with torch.no_grad():
+            for linear in (b.w_q, b.w_k, b.w_v, b.w_o):
+                linear.weight.copy_(torch.eye(D_MODEL) + 0.01 * torch.arange(D_MODEL * D_MODEL).view(8, 8).sin())
+        b.eval()
+    block.reuse_projections = True
+    _, memory, _ = forcing_inputs(torch.float64, "cpu", below_fill=True)
+    mask = padding_mask()
+    with torch.no_grad():
+        for below_fill in (True, False, False):
+            x = forcing_inputs(torch.float64, "cpu", below_fill)[0]
+            assert torch.equal(block(x, memory, memory, mask), fresh(x, memory, memory, mask))
+
+
+def test_reuse_that_falls_back_draws_the_same_dropout():
+    """Reuse of kept projections with dropout: a call whose queries weigh the unseen keys goes to the block's op
+    with the generator put back, so it draws what a block without reuse draws."""
+    blocks = [identity_blocks(torch.float64, "cpu")[0] for _ in range(2)]
+    blocks[0].reuse_projections = True
+    _, memory, _ = forcing_inputs(torch.float64, "cpu", below_fill=True)
+    results = []
+    for block in blocks:
+        block.dropout.p = 0.5
+        block.train()
+        with torch.no_grad():
+            block(forcing_inputs(torch.float64, "cpu", False)[0], memory, memory, padding_mask())
+            torch.manual_seed(11)
+            out = block(forcing_inputs(torch.float64, "cpu", True)[0], memory, memory, padding_mask())
+        results.append((out, block.attention_scores, torch.rand(3)))
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
