@@ -2,6 +2,7 @@
 #include <torch/torch.h>
 
 #include <fastmha/module.h>
+#include <fastmha/ops.h>
 #include <fastmha/serialize.h>
 
 #include <catch2/catch.hpp>
@@ -90,6 +91,40 @@ TEST_CASE("a tiny model trains in C++ through the Autograd kernel", "[module]") 
     (step == 0 ? first : last) = loss.item<double>();
   }
   CHECK(last < 0.5 * first);
+}
+
+TEST_CASE("padded batches: unseen keys and zero gradient rows match autograd through the oracle", "[module]") {
+  // Sentences of 2 and 3 keys out of 8 (most keys unseen: the block leaves their projections out) and of 3 and 2
+  // queries out of 6 (the loss ignores the rest: zero rows of the output's gradient).
+  torch::manual_seed(4);
+  const auto options = torch::TensorOptions().dtype(torch::kFloat64);
+  const auto q = torch::randn({2, 6, 8}, options), k = torch::randn({2, 8, 8}, options);
+  const auto v = torch::randn({2, 8, 8}, options);
+  const auto mask = (torch::arange(8).unsqueeze(0) < torch::tensor({2, 3}).unsqueeze(1)).view({2, 1, 1, 8});
+  const auto kept = (torch::arange(6).unsqueeze(0) < torch::tensor({3, 2}).unsqueeze(1)).unsqueeze(2);
+  const auto loss_weights = torch::randn({2, 6, 8}, options) * kept;
+  std::vector<torch::Tensor> weights;
+  for (int i = 0; i < 4; ++i) weights.push_back(torch::randn({8, 8}, options) * 0.3);
+  auto gradients = [&](bool reference) {
+    std::vector<torch::Tensor> leaves;
+    for (const auto& t : {q, k, v, weights[0], weights[1], weights[2], weights[3]}) {
+      leaves.push_back(t.clone().requires_grad_(true));
+    }
+    const auto& l = leaves;
+    const auto out =
+        reference ? oracle::block(l[0], l[1], l[2], l[3], l[4], l[5], l[6], 2, mask).first
+                  : std::get<0>(fastmha::multi_head_attention(l[0], l[1], l[2], l[3], l[4], l[5], l[6], 2, mask));
+    (out * loss_weights).sum().backward();
+    std::vector<torch::Tensor> grads;
+    for (const auto& leaf : leaves) grads.push_back(leaf.grad());
+    return grads;
+  };
+  const auto got = gradients(false), want = gradients(true);
+  for (size_t i = 0; i < got.size(); ++i) {
+    INFO("gradient " << i);
+    CHECK(oracle::close(got[i], want[i]));
+  }
+  CHECK((got[1].slice(1, 3) == 0).all().item<bool>());  // keys 3.. are unseen in both sentences
 }
 
 TEST_CASE("is_causal matches an explicit lower-triangular mask", "[module]") {
