@@ -57,15 +57,19 @@ Prepared prepare(const at::Tensor& query, const at::Tensor& key, const std::opti
 
 // The saved log-sum-exp is the op's, whichever kernel ran: that of the masked (-1e9) scaled scores. It differs
 // from the stock kernel's own only in the rows with no visible key (-1e9 + log Lk there, log Lk for the
-// stock kernel with the row's query zeroed), so a backward can take the forward of either kernel.
+// stock kernel with the row's query zeroed), so a backward can take the forward of either kernel. And in the rows
+// with a +inf score, whose weights are all NaN in the math (inf - inf): the stock kernels report +inf there, the op
+// NaN, so that a backward recomputing P = exp(S - lse) gets NaN across the row, not only at that key.
 at::Tensor dead_rows_of_lse(const Prepared& p) { return p.dead_rows.squeeze(-1); }
 
 at::Tensor to_contract_lse(const at::Tensor& stock_lse, const Prepared& p, const at::Tensor& key) {
+  const at::Tensor lse = stock_lse.masked_fill(stock_lse == std::numeric_limits<double>::infinity(),
+                                               std::numeric_limits<double>::quiet_NaN());
   if (!p.dead_rows.defined()) {
-    return stock_lse;
+    return lse;
   }
   const double log_keys = std::log(static_cast<double>(key.size(2)));
-  return stock_lse.masked_fill(dead_rows_of_lse(p), -1e9 + log_keys);
+  return lse.masked_fill(dead_rows_of_lse(p), -1e9 + log_keys);
 }
 
 at::Tensor to_stock_lse(const at::Tensor& lse, const Prepared& p, const at::Tensor& key) {
