@@ -113,3 +113,30 @@ def test_no_output_gradient_gives_zero_gradients(device):
     q, k, v, mask, _ = padded_batch(torch.float32, device)
     for g in gradients(block, q, k, v, mask, torch.zeros(2, 8, D_MODEL, device=device)):
         assert (g == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("infinity", [None, "query", "key", "value"])
+def test_attention_core_over_query_rows_without_gradient(device, dtype, infinity):
+    """The attention core's backward with the output's gradient zero beyond the first queries (whole chunks of
+    rows): the same gradients as autograd through the oracle, NaN included where an infinity meets a zero."""
+    from oracle import oracle_attention
+
+    q = torch.randn(1, 2, 200, 8, dtype=dtype, device=device)
+    k, v = (torch.randn(1, 2, 16, 8, dtype=dtype, device=device) for _ in range(2))
+    if infinity == "query":
+        q[0, 1, 150, 3] = float("inf")  # in a row without gradient
+    elif infinity == "key":
+        k[0, 0, 7, 2] = float("inf")
+    elif infinity == "value":
+        v[0, 1, 4, 5] = float("-inf")
+    loss_weights = torch.randn(1, 2, 200, 8, dtype=dtype, device=device)
+    loss_weights[:, :, 10:] = 0
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    (torch.ops.fastmha.attention(*leaves, None, 0.0, False)[0] * loss_weights).sum().backward()
+    ref_leaves = [t.double().requires_grad_(True) for t in (q, k, v)]
+    (oracle_attention(*ref_leaves)[0] * loss_weights.double()).sum().backward()
+    for name, got, want in zip("qkv", leaves, ref_leaves):
+        assert torch.equal(got.grad.isnan(), want.grad.isnan()), f"grad of {name}: NaN elsewhere than the oracle's"
+        torch.testing.assert_close(got.grad.double(), want.grad, **TOLERANCES[dtype], equal_nan=True,
+                                   msg=lambda m: f"grad of {name}: {m}")

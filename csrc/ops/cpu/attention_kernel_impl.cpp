@@ -524,6 +524,17 @@ bool chunk_scores(const AttentionInputs<T>& in, const Head<T>& head, int64_t row
   return complete;
 }
 
+// Whether x[0 .. n) are all zero; a nonzero block usually ends the scan at its first element.
+template <typename T>
+bool all_zero(const T* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (x[i] != T(0)) {
+      return false;
+    }
+  }
+  return true;
+}
+
 // Whether rows [from, to) of a value matrix hold only finite numbers (x * 0 is 0 for those, NaN otherwise).
 template <typename T>
 bool finite_rows(const T* v, int64_t row_stride, int64_t from, int64_t to, int64_t d) {
@@ -1020,6 +1031,14 @@ void blocked_backward(const AttentionInputs<T>& inputs, const AttentionBackwardT
         const T* grad_out = g.grad_out + first_row * in.d_v;
         const T* q_rows = head.q + row0 * in.q_stride.row;
         T* grad_q = g.grad_q + first_row * in.d_k;
+        // dO rows all zero (padded queries that the loss ignores): dP = 0 and D = sum_j P_j dP_j = 0, so dS = 0.
+        // The chunk adds nothing to dK and dV and its dQ rows are zero, unless 0 * inf makes NaN: a non-finite
+        // Q row, key, value or log-sum-exp (P = exp(S - lse)).
+        if (all_zero(grad_out, rows * in.d_v) && finite_rows(q_rows, in.q_stride.row, 0, rows, in.d_k) &&
+            finite_rows(g.lse + first_row, 1, 0, rows, 1) && !non_finite.any(in, head, bh)) {
+          std::fill(grad_q, grad_q + rows * in.d_k, T(0));
+          return;
+        }
         row_softmax_constants(in, g, head, row0, rows, first_row, buf);
         // dV and dK of a skipped key are zero weights (score gradients) times dO (Q) rows: a NaN or an infinity
         // there makes them NaN in the math.
