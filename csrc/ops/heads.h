@@ -16,4 +16,9 @@ inline at::Tensor merge_heads(const at::Tensor& x) {
   return x.transpose(1, 2).reshape_symint({x.sym_size(0), x.sym_size(2), x.sym_size(1) * x.sym_size(3)}).contiguous();
 }
 
+// (batch, L, d) -> (batch * L, d): one row per token, a view where the strides allow.
+inline at::Tensor flatten_rows(const at::Tensor& x) {
+  return x.reshape_symint({x.sym_size(0) * x.sym_size(1), x.sym_size(2)});
+}
+
 }  // namespace fastmha

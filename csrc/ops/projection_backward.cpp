@@ -8,18 +8,11 @@
 #include <cstdint>
 #include <vector>
 
+#include "ops/heads.h"
+#include "ops/readable_on_cpu.h"
+
 namespace fastmha {
 namespace {
-
-// Flattens (batch, L, d) to (batch * L, d).
-at::Tensor rows(const at::Tensor& x) { return x.reshape_symint({x.sym_size(0) * x.sym_size(1), x.sym_size(2)}); }
-
-// Only dense CPU tensors with data are scanned: elsewhere the scan would synchronize a device, or there is no
-// data to read (meta tensors, and the fake tensors of graph capture, which dispatch through Python).
-bool scannable(const at::Tensor& t) {
-  return t.device().is_cpu() && t.layout() == at::kStrided && t.has_storage() &&
-         !t.key_set().has(c10::DispatchKey::Python);
-}
 
 // The rows r of g (n x d_out) whose products must run: g's row is not all zero, or x's row (n x d_in) is not all
 // finite. A nonzero row usually ends its scan at its first element, so dense gradients cost a read per row.
@@ -53,9 +46,13 @@ std::vector<int64_t> rows_to_compute(const at::Tensor& g, const at::Tensor& x) {
 
 std::pair<at::Tensor, at::Tensor> projection_backward(const at::Tensor& grad_y, const at::Tensor& x,
                                                       const at::Tensor& weight) {
-  const at::Tensor g = rows(grad_y), x_rows = rows(x);
-  if (!scannable(g) || !scannable(x_rows) || !scannable(weight) || g.scalar_type() != x_rows.scalar_type()) {
+  const at::Tensor g = flatten_rows(grad_y), x_rows = flatten_rows(x);
+  auto whole_products = [&]() -> std::pair<at::Tensor, at::Tensor> {
     return {grad_y.matmul(weight), g.t().mm(x_rows)};
+  };
+  if (!readable_on_cpu(g) || !readable_on_cpu(x_rows) || !readable_on_cpu(weight) ||
+      g.scalar_type() != x_rows.scalar_type()) {
+    return whole_products();
   }
   std::vector<int64_t> needed;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "projection_backward",
@@ -64,7 +61,7 @@ std::pair<at::Tensor, at::Tensor> projection_backward(const at::Tensor& grad_y, 
   // Gathering the rows costs a pass over them; with few zero rows the whole products are faster. A zero row of
   // dy times an infinite or NaN weight is NaN in the math: the whole product gives it.
   if (static_cast<int64_t>(needed.size()) * 4 > n * 3 || !at::isfinite(weight).all().item<bool>()) {
-    return {grad_y.matmul(weight), g.t().mm(x_rows)};
+    return whole_products();
   }
   const at::Tensor index = at::tensor(needed, at::TensorOptions().dtype(at::kLong));
   const at::Tensor g_needed = g.index_select(0, index);

@@ -6,23 +6,19 @@
 #include <limits>
 #include <vector>
 
+#include "ops/heads.h"
+#include "ops/readable_on_cpu.h"
+
 namespace fastmha {
 namespace {
 
 constexpr double kMaskedScore = -1e9;  // the document's fill for mask == 0
 
-bool dense_cpu(const at::Tensor& t) {
-  return t.device().is_cpu() && t.layout() == at::kStrided && t.has_storage() &&
-         !t.key_set().has(c10::DispatchKey::Python);
-}
-
-at::Tensor flat_rows(const at::Tensor& x) { return x.reshape({x.size(0) * x.size(1), x.size(2)}); }
-
 }  // namespace
 
 std::optional<KeyRows> split_key_rows(const std::optional<at::Tensor>& mask, const at::Tensor& key,
                                       const at::Tensor& value, bool is_causal) {
-  if (!mask.has_value() || is_causal || !dense_cpu(*mask) || !dense_cpu(key) || !dense_cpu(value)) {
+  if (!mask.has_value() || is_causal || !readable_on_cpu(*mask) || !readable_on_cpu(key) || !readable_on_cpu(value)) {
     return std::nullopt;
   }
   const at::Tensor& m = *mask;
@@ -47,7 +43,7 @@ std::optional<KeyRows> split_key_rows(const std::optional<at::Tensor>& mask, con
 }
 
 void project_rows_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& rows) {
-  out.view({-1, weight.size(0)}).index_copy_(0, rows, at::linear(flat_rows(x).index_select(0, rows), weight));
+  out.view({-1, weight.size(0)}).index_copy_(0, rows, at::linear(flatten_rows(x).index_select(0, rows), weight));
 }
 
 at::Tensor project_rows(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& rows) {
@@ -63,7 +59,7 @@ bool projection_surely_finite(const at::Tensor& x, const at::Tensor& weight, con
   double largest = 0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "projection_surely_finite",
                                   [&] { largest = static_cast<double>(std::numeric_limits<scalar_t>::max()); });
-  const double x_max = flat_rows(x).index_select(0, rows).abs().amax().item<double>();
+  const double x_max = flatten_rows(x).index_select(0, rows).abs().amax().item<double>();
   const double w_row_sum = at::sum(weight.abs(), {1}, false, at::kDouble).amax().item<double>();
   return x_max * w_row_sum < largest / 2;  // false for NaN and infinity
 }
