@@ -5,6 +5,8 @@
 
 #include <cmath>
 
+#include "ops/heads.h"
+
 namespace fastmha::aten_impl {
 namespace {
 
@@ -59,7 +61,7 @@ detail::AttentionForwardResult attention_forward(const at::Tensor& query, const 
   } else {
     rng_state = no_rng_state(query);
   }
-  auto output = at::matmul(probs, value_acc).to(query.scalar_type());
+  auto output = in_layout_of(at::matmul(probs, value_acc).to(query.scalar_type()), query);
   auto weights = need_weights ? probs.to(query.scalar_type()) : at::empty({0}, query.options());
   return {output, weights, logsumexp, rng_state};
 }
@@ -95,7 +97,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
   grad_scores.div_(std::sqrt(static_cast<double>(query.size(-1))));
   auto grad_query = at::matmul(grad_scores, key_acc).to(query.scalar_type());
   auto grad_key = at::matmul(grad_scores.transpose(-2, -1), query_acc).to(key.scalar_type());
-  return {grad_query, grad_key, grad_value.to(value.scalar_type())};
+  return {in_layout_of(grad_query, query), in_layout_of(grad_key, key),
+          in_layout_of(grad_value.to(value.scalar_type()), value)};
 }
 
 }  // namespace fastmha::aten_impl

@@ -21,6 +21,7 @@
 #include "ops/cpu/cpu_capability.h"
 #include "ops/cpu/half_gemm.h"
 #include "ops/cpu/large_buffer.h"
+#include "ops/heads.h"
 #include "ops/kernel_choice.h"
 #include "ops/stock/stock_attention.h"
 
@@ -34,6 +35,16 @@ at::Tensor kernel_operand(const at::Tensor& x, at::ScalarType acc) {
     y = y.contiguous();
   }
   return y;
+}
+
+cpu::Strides3 strides3(const at::Tensor& t) { return cpu::Strides3{t.stride(0), t.stride(1), t.stride(2)}; }
+
+// A (batch, h, L, d) output of the kernels in the layout the ops give it for `input` (heads.h).
+at::Tensor empty_output(at::IntArrayRef sizes, const at::Tensor& input, const at::TensorOptions& options) {
+  if (!heads_interleaved(input)) {
+    return cpu::empty_large(sizes, options);
+  }
+  return cpu::empty_large({sizes[0], sizes[2], sizes[1], sizes[3]}, options).transpose(1, 2);
 }
 
 // Keys per block of the blocked kernels: sized to this CPU's L2 cache for the pass, or FASTMHA_CPU_KEY_BLOCK (a
@@ -59,14 +70,13 @@ template <typename T>
 cpu::AttentionInputs<T> kernel_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       const at::Tensor& mask, double dropout_p, bool is_causal, uint64_t seed,
                                       uint64_t offset, Pass pass) {
-  auto strides = [](const at::Tensor& t) { return cpu::Strides3{t.stride(0), t.stride(1), t.stride(2)}; };
   cpu::AttentionInputs<T> in{};
   in.q = q.const_data_ptr<T>();
   in.k = k.const_data_ptr<T>();
   in.v = v.const_data_ptr<T>();
-  in.q_stride = strides(q);
-  in.k_stride = strides(k);
-  in.v_stride = strides(v);
+  in.q_stride = strides3(q);
+  in.k_stride = strides3(k);
+  in.v_stride = strides3(v);
   in.batch = q.size(0);
   in.heads = q.size(1);
   in.len_q = q.size(2);
@@ -99,10 +109,9 @@ struct HalfInputs {
 
   // The kernels' view of them (rows of unit stride, any other strides).
   cpu::HalfOperands view(bool vnni) const {
-    auto strides = [](const at::Tensor& t) { return cpu::Strides3{t.stride(0), t.stride(1), t.stride(2)}; };
     auto bits = [](const at::Tensor& t) { return static_cast<const uint16_t*>(t.const_data_ptr()); };
     const auto kind = q.scalar_type() == at::kBFloat16 ? cpu::HalfKind::kBFloat16 : cpu::HalfKind::kFloat16;
-    return {bits(q), bits(k), bits(v), strides(q), strides(k), strides(v), kind, vnni};
+    return {bits(q), bits(k), bits(v), strides3(q), strides3(k), strides3(v), kind, vnni};
   }
 };
 
@@ -160,7 +169,7 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
   const auto acc = at::toOpMathType(dtype);
   const int64_t batch = query.size(0), heads = query.size(1), len_q = query.size(2), len_k = key.size(2);
   const auto acc_options = query.options().dtype(acc);
-  auto output = cpu::empty_large({batch, heads, len_q, value.size(3)}, acc_options);
+  auto output = empty_output({batch, heads, len_q, value.size(3)}, query, acc_options);
   auto weights =
       need_weights ? cpu::empty_large({batch, heads, len_q, len_k}, acc_options) : at::empty({0}, acc_options);
   auto logsumexp = at::empty({batch, heads, len_q}, acc_options);
@@ -179,10 +188,10 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
     }
     const cpu::AttentionForwardOutputs<scalar_t> out{output.data_ptr<scalar_t>(),
                                                      need_weights ? weights.data_ptr<scalar_t>() : nullptr,
-                                                     logsumexp.data_ptr<scalar_t>()};
+                                                     logsumexp.data_ptr<scalar_t>(), strides3(output)};
     run_forward(in, out);
   });
-  return {output.to(dtype), weights.to(dtype), logsumexp, rng_state};
+  return {in_layout_of(output.to(dtype), query), weights.to(dtype), logsumexp, rng_state};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
@@ -213,14 +222,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
                                           : std::clamp<int64_t>((2 * threads + heads_total - 1) / heads_total, 1,
                                                                 std::max<int64_t>(chunks, 1));
   const auto acc_options = query.options().dtype(acc);
-  auto grad_q = cpu::empty_large({batch, heads, len_q, d_k}, acc_options);
-  auto grad_k_partial = cpu::empty_large({heads_total, splits, len_k, d_k}, acc_options);
-  auto grad_v_partial = cpu::empty_large({heads_total, splits, len_k, d_v}, acc_options);
+  auto grad_q = empty_output({batch, heads, len_q, d_k}, query, acc_options);
+  // One split: the tasks write dK and dV themselves. More: partial sums (splits, B, H, Lk, d), added up below.
+  auto partial = [&](const at::Tensor& input, int64_t d) {
+    return splits == 1 ? empty_output({batch, heads, len_k, d}, input, acc_options).unsqueeze(0)
+                       : cpu::empty_large({splits, batch, heads, len_k, d}, acc_options);
+  };
+  auto grad_k_partial = partial(key, d_k), grad_v_partial = partial(value, d_v);
   const auto q = kernel_operand(query, acc), k = kernel_operand(key, acc), v = kernel_operand(value, acc);
-  const auto grad_out = grad_output.to(acc).contiguous();
+  const auto grad_out = kernel_operand(grad_output, acc);
   const auto grad_w = has_grad_weights ? grad_weights->to(acc).contiguous() : at::Tensor();
   const auto lse = logsumexp.to(acc).contiguous();
-  const auto out = use_output ? output.to(acc).contiguous() : at::Tensor();
+  const auto out = use_output ? kernel_operand(output, acc) : at::Tensor();
   const auto mask_view = broadcast_mask(mask, query, key);
   const auto state = rng_state.to(at::kCPU).contiguous();
   const auto* seed_offset = state.const_data_ptr<int64_t>();
@@ -232,22 +245,38 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
   AT_DISPATCH_FLOATING_TYPES(acc, "fastmha_cpu_attention_backward", [&] {
     auto in = kernel_inputs<scalar_t>(q, k, v, mask_view, dropout_p, is_causal, seed_offset[0], seed_offset[1],
                                       Pass::kBackward);
-    cpu::AttentionBackwardTensors<scalar_t> grads{
-        grad_out.const_data_ptr<scalar_t>(), has_grad_weights ? grad_w.const_data_ptr<scalar_t>() : nullptr,
-        lse.const_data_ptr<scalar_t>(),      use_output ? out.const_data_ptr<scalar_t>() : nullptr,
-        grad_q.data_ptr<scalar_t>(),         grad_k_partial.data_ptr<scalar_t>(),
-        grad_v_partial.data_ptr<scalar_t>(), splits};
+    auto partial_gradients = [](const at::Tensor& t) {
+      const auto split = t.select(0, 0);
+      return cpu::PartialGradients<scalar_t>{t.data_ptr<scalar_t>(), strides3(split), t.stride(0)};
+    };
+    cpu::AttentionBackwardTensors<scalar_t> grads{grad_out.const_data_ptr<scalar_t>(),
+                                                  has_grad_weights ? grad_w.const_data_ptr<scalar_t>() : nullptr,
+                                                  lse.const_data_ptr<scalar_t>(),
+                                                  use_output ? out.const_data_ptr<scalar_t>() : nullptr,
+                                                  grad_q.data_ptr<scalar_t>(),
+                                                  partial_gradients(grad_k_partial),
+                                                  partial_gradients(grad_v_partial),
+                                                  splits,
+                                                  strides3(grad_out),
+                                                  use_output ? strides3(out) : cpu::Strides3{},
+                                                  strides3(grad_q)};
     if (half) {
       in.half = half_inputs.view(half_mode == cpu::HalfGemmMode::kNative);
       grads.half_grad_out = static_cast<const uint16_t*>(half_grad_out.const_data_ptr());
     }
     run_backward(in, grads);
   });
-  auto reduce = [&](const at::Tensor& partial, int64_t d, const at::Tensor& like) {
-    auto summed = splits == 1 ? partial.select(1, 0) : partial.sum(1);
-    return summed.view({batch, heads, len_k, d}).to(like.scalar_type());
+  auto reduce = [&](const at::Tensor& partial, const at::Tensor& input) {
+    if (splits == 1) {
+      return in_layout_of(partial.select(0, 0).to(input.scalar_type()), input);
+    }
+    auto summed = empty_output(partial.sizes().slice(1), input, partial.options());
+    const int64_t split_dim = 0;
+    at::sum_out(summed, partial, at::IntArrayRef(split_dim));
+    return in_layout_of(summed.to(input.scalar_type()), input);
   };
-  return {grad_q.to(query.scalar_type()), reduce(grad_k_partial, d_k, key), reduce(grad_v_partial, d_v, value)};
+  return {in_layout_of(grad_q.to(query.scalar_type()), query), reduce(grad_k_partial, key),
+          reduce(grad_v_partial, value)};
 }
 
 }  // namespace

@@ -250,14 +250,14 @@ AttentionInputs<T> with_packed_heads(const AttentionInputs<T>& in, bool backward
   return packed;
 }
 
-// out_rows (rows x d_v) (+)= p (rows x n, row stride ld) . v[lo .. lo + n]: in the half type when the forward's
-// products run in it (p rounded to it, as torch's flash kernel rounds its weights), otherwise in T.
+// out_rows (rows x d_v, row stride out_ld) (+)= p (rows x n, row stride ld) . v[lo .. lo + n]: in the half type
+// when the forward's products run in it (p rounded to it, as torch's flash kernel rounds its weights), otherwise in T.
 template <typename T>
 void apply_values(const AttentionInputs<T>& in, const Head<T>& head, const T* p, int64_t ld, int64_t rows, int64_t lo,
-                  int64_t n, T* out_rows, bool add) {
+                  int64_t n, T* out_rows, int64_t out_ld, bool add) {
   if (head.half_v == nullptr) {
     gemm<T>(false, false, rows, in.d_v, n, T(1), p, ld, head.v + lo * in.v_stride.row, in.v_stride.row,
-            add ? T(1) : T(0), out_rows, in.d_v);
+            add ? T(1) : T(0), out_rows, out_ld);
     return;
   }
   if constexpr (std::is_same_v<T, float>) {
@@ -267,7 +267,7 @@ void apply_values(const AttentionInputs<T>& in, const Head<T>& head, const T* p,
     rows_to_half(in.half.kind, p, ld, rows, n, scratch.left.data());
     const PackedRight values = rows_of_head(head.values, in.half.values, head.half_v, in.half.v_stride.row, lo, n,
                                             in.len_k, in.d_v, in.half.vnni, scratch.right);
-    half_gemm(in.half.kind, in.half.vnni, rows, in.d_v, depth, scratch.left.data(), values, out_rows, in.d_v, add);
+    half_gemm(in.half.kind, in.half.vnni, rows, in.d_v, depth, scratch.left.data(), values, out_rows, out_ld, add);
   }
 }
 
@@ -524,15 +524,24 @@ bool chunk_scores(const AttentionInputs<T>& in, const Head<T>& head, int64_t row
   return complete;
 }
 
-// Whether x[0 .. n) are all zero; a nonzero block usually ends the scan at its first element.
+// Whether rows [0, rows) of x (d wide, row stride ld) are all zero; a nonzero block usually ends the scan at its
+// first element.
 template <typename T>
-bool all_zero(const T* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    if (x[i] != T(0)) {
-      return false;
+bool all_zero(const T* x, int64_t ld, int64_t rows, int64_t d) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < d; ++i) {
+      if (x[r * ld + i] != T(0)) {
+        return false;
+      }
     }
   }
   return true;
+}
+
+// Zeroes rows [0, rows) of x (d wide, row stride ld).
+template <typename T>
+void zero_rows(T* x, int64_t ld, int64_t rows, int64_t d) {
+  for (int64_t r = 0; r < rows; ++r) std::fill(x + r * ld, x + r * ld + d, T(0));
 }
 
 // Whether rows [from, to) of a value matrix hold only finite numbers (x * 0 is 0 for those, NaN otherwise).
@@ -647,7 +656,7 @@ struct OnlineBuffers {
 // than exactly 0 (see skipped_keys_weigh_zero): the caller redoes the chunk over all keys.
 template <typename T>
 bool online_chunk(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows, int64_t first_row,
-                  const KeySpan& span, bool narrow, OnlineBuffers<T>& buf, T* out_rows, T* lse) {
+                  const KeySpan& span, bool narrow, OnlineBuffers<T>& buf, T* out_rows, int64_t out_ld, T* lse) {
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
   std::fill(buf.max.begin(), buf.max.begin() + rows, kNegInf);
   std::fill(buf.sum.begin(), buf.sum.begin() + rows, T(0));
@@ -668,23 +677,23 @@ bool online_chunk(const AttentionInputs<T>& in, const Head<T>& head, int64_t row
       T* s = buf.scores.data() + r * n;
       const T rescale = fold_block(s, n, buf.max[r], buf.sum[r]);
       if (computed && rescale != T(1)) {
-        scale_row(out_rows + r * in.d_v, in.d_v, rescale);
+        scale_row(out_rows + r * out_ld, in.d_v, rescale);
       }
       if (in.dropout_p > 0) {
         at::vec::map2([](Vectorized<T> a, Vectorized<T> b) { return a * b; }, s, s, buf.keep.data() + r * n, n);
       }
     }
-    apply_values(in, head, buf.scores.data(), n, rows, block.lo, n, out_rows, computed);
+    apply_values(in, head, buf.scores.data(), n, rows, block.lo, n, out_rows, out_ld, computed);
     computed = true;
   }
   if (!computed) {  // no key at all (Lk = 0), or every key skipped: zero outputs
-    std::fill(out_rows, out_rows + rows * in.d_v, T(0));
+    zero_rows(out_rows, out_ld, rows, in.d_v);
   }
   bool complete = true;
   for (int64_t r = 0; r < rows; ++r) {
     lse[r] = buf.max[r] + std::log(buf.sum[r]);
     if (computed) {
-      scale_row(out_rows + r * in.d_v, in.d_v, T(1) / buf.sum[r]);
+      scale_row(out_rows + r * out_ld, in.d_v, T(1) / buf.sum[r]);
     }
     complete = complete && (!skipped || skipped_keys_weigh_zero(buf.max[r]));
   }
@@ -708,14 +717,15 @@ void online_forward(const AttentionInputs<T>& in, const AttentionForwardOutputs<
       const int64_t rows = std::min(chunk, in.len_q - row0);
       const Head<T> head = head_pointers(in, bh);
       const int64_t first_row = bh * in.len_q + row0;  // row index in (B*H*Lq)
-      T* const out_rows = out.out + first_row * in.d_v;
+      T* const out_rows = head_row(out.out, out.out_stride, in.heads, bh, row0);
+      const int64_t out_ld = out.out_stride.row;
       const KeySpan span = chunk_span(in, head, bh, row0, rows, non_finite, false);
       // A zero weight times a NaN or infinite value is NaN: no key is skipped inside the span of such a head.
       // Nor in a chunk with a row that sees no key (uniform over all keys: skipping would only cost a redo).
       const bool narrow = span.masked && !span.row_without_key && !non_finite.any(in, head, bh);
-      if (!online_chunk(in, head, row0, rows, first_row, span, narrow, buf, out_rows, out.lse + first_row)) {
+      if (!online_chunk(in, head, row0, rows, first_row, span, narrow, buf, out_rows, out_ld, out.lse + first_row)) {
         online_chunk(in, head, row0, rows, first_row, KeySpan{0, in.len_k, head.mask != nullptr}, false, buf, out_rows,
-                     out.lse + first_row);
+                     out_ld, out.lse + first_row);
       }
     }
   });
@@ -751,7 +761,8 @@ void forward_impl(const AttentionInputs<T>& inputs, const AttentionForwardOutput
       const KeySpan span = scores_for_chunk(in, head, bh, row0, rows, buffer.data(), non_finite);
       const int64_t n = span.size(), score_ld = packed_ld(span);
       T* const first = buffer.data();
-      T* out_rows = out.out + first_row * in.d_v;
+      T* out_rows = head_row(out.out, out.out_stride, in.heads, bh, row0);
+      const int64_t out_ld = out.out_stride.row;
       if (in.dropout_p > 0) {
         fill_chunk_keep(in, first_row, rows, span, words, keep.data());
       }
@@ -767,9 +778,9 @@ void forward_impl(const AttentionInputs<T>& inputs, const AttentionForwardOutput
           write_weights_row(out.weights + (first_row + r) * ld, s, span.lo, span.hi, ld, inv_sum[r], stream_weights);
         }
       }
-      apply_values(in, head, first, score_ld, rows, span.lo, n, out_rows, false);
+      apply_values(in, head, first, score_ld, rows, span.lo, n, out_rows, out_ld, false);
       for (int64_t r = 0; r < rows; ++r) {  // normalize d_v outputs per row instead of Lk weights
-        scale_row(out_rows + r * in.d_v, in.d_v, n > 0 ? inv_sum[r] : T(0));
+        scale_row(out_rows + r * out_ld, in.d_v, n > 0 ? inv_sum[r] : T(0));
       }
     }
     fence_streamed_stores();
@@ -815,13 +826,11 @@ void zero_masked(const AttentionInputs<T>& in, const Head<T>& head, int64_t quer
 // Masked scores have P = 0 exactly (exp(-1e9 - lse)), hence dS = 0, except in rows with exact softmax
 // constants (whose span is all keys) and in rows with a non-finite dS. p, dw and keep hold the span's columns.
 template <typename T>
-void fused_backward_row(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, int64_t row, int64_t query,
+void fused_backward_row(const AttentionInputs<T>& in, const T* grad_out, const T* out, int64_t query,
                         const KeySpan& span, const Head<T>& head, const RowSoftmax<T>& softmax, T* p, T* dw,
                         const T* keep) {
   const int64_t width = span.size();
   using Vec = Vectorized<T>;
-  const T* grad_out = g.grad_out + row * in.d_v;
-  const T* out = g.out + row * in.d_v;
   const T d = at::vec::map2_reduce_all<T>([](Vec a, Vec b) { return a * b; }, [](Vec a, Vec b) { return a + b; },
                                           grad_out, out, in.d_v);
   const Vec shift_vec(softmax.shift), scale_vec(softmax.scale), d_vec(d);
@@ -867,10 +876,10 @@ template <typename T>
 SplitTask<T> split_task(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, int64_t task,
                         int64_t chunks) {
   const int64_t bh = task / g.splits, split = task % g.splits;
-  T* grad_k = g.grad_k_partial + (bh * g.splits + split) * in.len_k * in.d_k;
-  T* grad_v = g.grad_v_partial + (bh * g.splits + split) * in.len_k * in.d_v;
-  std::fill(grad_k, grad_k + in.len_k * in.d_k, T(0));
-  std::fill(grad_v, grad_v + in.len_k * in.d_v, T(0));
+  T* grad_k = head_row(g.grad_k.data + split * g.grad_k.split, g.grad_k.stride, in.heads, bh, 0);
+  T* grad_v = head_row(g.grad_v.data + split * g.grad_v.split, g.grad_v.stride, in.heads, bh, 0);
+  zero_rows(grad_k, g.grad_k.stride.row, in.len_k, in.d_k);
+  zero_rows(grad_v, g.grad_v.stride.row, in.len_k, in.d_v);
   return {bh, split * chunks / g.splits, (split + 1) * chunks / g.splits, head_pointers(in, bh), grad_k, grad_v};
 }
 
@@ -963,8 +972,9 @@ void half_chunk_rows(const AttentionInputs<T>& in, const AttentionBackwardTensor
 }
 
 template <typename T>
-void half_block_gradients(const AttentionInputs<T>& in, const Head<T>& head, int64_t rows, int64_t lo, int64_t n,
-                          const T* probs, T* grad_w, T* grad_q, T* grad_k, T* grad_v, bool add_q) {
+void half_block_gradients(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, const Head<T>& head,
+                          int64_t rows, int64_t lo, int64_t n, const T* probs, T* grad_w, T* grad_q, T* grad_k,
+                          T* grad_v, bool add_q) {
   if constexpr (std::is_same_v<T, float>) {
     // dS is rounded scaled: scale * dS stays finite in float16 where dS alone may not (a large output gradient).
     for (int64_t r = 0; r < rows; ++r) scale_row(grad_w + r * n, n, in.scale);
@@ -976,17 +986,17 @@ void half_block_gradients(const AttentionInputs<T>& in, const Head<T>& head, int
     scratch.left.resize(left_size(n, by_rows));
     transposed_to_half(kind, probs, n, rows, n, scratch.left.data());
     half_gemm(kind, vnni, n, in.d_v, by_rows, scratch.left.data(), {scratch.chunk_grad_out.data(), by_rows},
-              grad_v + lo * in.d_v, in.d_v, true);
+              grad_v + lo * g.grad_v.stride.row, g.grad_v.stride.row, true);
     // dK += scale dS^T Q
     transposed_to_half(kind, grad_w, n, rows, n, scratch.left.data());
     half_gemm(kind, vnni, n, in.d_k, by_rows, scratch.left.data(), {scratch.chunk_q.data(), by_rows},
-              grad_k + lo * in.d_k, in.d_k, true);
+              grad_k + lo * g.grad_k.stride.row, g.grad_k.stride.row, true);
     // dQ (+)= scale dS K
     scratch.left.resize(left_size(rows, by_keys));
     rows_to_half(kind, grad_w, n, rows, n, scratch.left.data());
     const PackedRight keys = rows_of_head(head.keys, in.half.keys, head.half_k, in.half.k_stride.row, lo, n, in.len_k,
                                           in.d_k, vnni, scratch.right);
-    half_gemm(kind, vnni, rows, in.d_k, by_keys, scratch.left.data(), keys, grad_q, in.d_k, add_q);
+    half_gemm(kind, vnni, rows, in.d_k, by_keys, scratch.left.data(), keys, grad_q, g.grad_q_stride.row, add_q);
   } else {
     TORCH_INTERNAL_ASSERT(false, "half-type products take float scores");
   }
@@ -1028,22 +1038,25 @@ void blocked_backward(const AttentionInputs<T>& inputs, const AttentionBackwardT
         const auto& [bh, chunk_begin, chunk_end, head, grad_k, grad_v] = task;
         auto& [probs, grad_w, keep, softmax, non_finite, words] = buf;
         const int64_t first_row = bh * in.len_q + row0;
-        const T* grad_out = g.grad_out + first_row * in.d_v;
+        const T* grad_out = head_row(g.grad_out, g.grad_out_stride, in.heads, bh, row0);
+        const T* out = head_row(g.out, g.out_stride, in.heads, bh, row0);
         const T* q_rows = head.q + row0 * in.q_stride.row;
-        T* grad_q = g.grad_q + first_row * in.d_k;
+        T* grad_q = head_row(g.grad_q, g.grad_q_stride, in.heads, bh, row0);
+        const int64_t ld_grad_out = g.grad_out_stride.row, ld_grad_q = g.grad_q_stride.row;
+        const int64_t ld_grad_k = g.grad_k.stride.row, ld_grad_v = g.grad_v.stride.row;
         // dO rows all zero (padded queries that the loss ignores): dP = 0 and D = sum_j P_j dP_j = 0, so dS = 0.
         // The chunk adds nothing to dK and dV and its dQ rows are zero, unless 0 * inf makes NaN: a non-finite
         // Q row, key, value or log-sum-exp (P = exp(S - lse)).
-        if (all_zero(grad_out, rows * in.d_v) && finite_rows(q_rows, in.q_stride.row, 0, rows, in.d_k) &&
+        if (all_zero(grad_out, ld_grad_out, rows, in.d_v) && finite_rows(q_rows, in.q_stride.row, 0, rows, in.d_k) &&
             finite_rows(g.lse + first_row, 1, 0, rows, 1) && !non_finite.any(in, head, bh)) {
-          std::fill(grad_q, grad_q + rows * in.d_k, T(0));
+          zero_rows(grad_q, ld_grad_q, rows, in.d_k);
           return;
         }
         row_softmax_constants(in, g, head, row0, rows, first_row, buf);
         // dV and dK of a skipped key are zero weights (score gradients) times dO (Q) rows: a NaN or an infinity
         // there makes them NaN in the math.
-        bool may_skip =
-            finite_rows(grad_out, in.d_v, 0, rows, in.d_v) && finite_rows(q_rows, in.q_stride.row, 0, rows, in.d_k);
+        bool may_skip = finite_rows(grad_out, ld_grad_out, 0, rows, in.d_v) &&
+                        finite_rows(q_rows, in.q_stride.row, 0, rows, in.d_k);
         for (int64_t r = 0; r < rows && may_skip; ++r) may_skip = skipped_keys_weigh_zero(g.lse[first_row + r]);
         const KeySpan span = chunk_span(in, head, bh, row0, rows, non_finite, !may_skip);
         const bool narrow = may_skip && span.masked && !non_finite.any(in, head, bh);
@@ -1064,32 +1077,34 @@ void blocked_backward(const AttentionInputs<T>& inputs, const AttentionBackwardT
           if (in.half.q != nullptr) {
             half_grad_weights(in, g, head, first_row, rows, lo, n, grad_w.data());
           } else {
-            gemm<T>(false, true, rows, n, in.d_v, T(1), grad_out, in.d_v, v_part, in.v_stride.row, T(0), grad_w.data(),
-                    n);
+            gemm<T>(false, true, rows, n, in.d_v, T(1), grad_out, ld_grad_out, v_part, in.v_stride.row, T(0),
+                    grad_w.data(), n);
           }
           if (in.dropout_p > 0) {
             fill_chunk_keep(in, first_row, rows, part, words, keep.data());
           }
           for (int64_t r = 0; r < rows; ++r) {
-            fused_backward_row(in, g, first_row + r, row0 + r, part, head, softmax[r], probs.data() + r * n,
-                               grad_w.data() + r * n, in.dropout_p > 0 ? keep.data() + r * n : nullptr);
+            fused_backward_row(in, grad_out + r * ld_grad_out, out + r * g.out_stride.row, row0 + r, part, head,
+                               softmax[r], probs.data() + r * n, grad_w.data() + r * n,
+                               in.dropout_p > 0 ? keep.data() + r * n : nullptr);
           }
           if (in.half.q != nullptr) {
-            half_block_gradients(in, head, rows, lo, n, probs.data(), grad_w.data(), grad_q, grad_k, grad_v, computed);
+            half_block_gradients(in, g, head, rows, lo, n, probs.data(), grad_w.data(), grad_q, grad_k, grad_v,
+                                 computed);
             computed = true;
             continue;
           }
           // dV += W^T dO ; dQ (+)= scale * dS K ; dK += scale * dS^T Q (over this block's keys)
-          gemm<T>(true, false, n, in.d_v, rows, T(1), probs.data(), n, grad_out, in.d_v, T(1), grad_v + lo * in.d_v,
-                  in.d_v);
+          gemm<T>(true, false, n, in.d_v, rows, T(1), probs.data(), n, grad_out, ld_grad_out, T(1),
+                  grad_v + lo * ld_grad_v, ld_grad_v);
           gemm<T>(false, false, rows, in.d_k, n, in.scale, grad_w.data(), n, k_part, in.k_stride.row,
-                  computed ? T(1) : T(0), grad_q, in.d_k);
+                  computed ? T(1) : T(0), grad_q, ld_grad_q);
           gemm<T>(true, false, n, in.d_k, rows, in.scale, grad_w.data(), n, q_rows, in.q_stride.row, T(1),
-                  grad_k + lo * in.d_k, in.d_k);
+                  grad_k + lo * ld_grad_k, ld_grad_k);
           computed = true;
         }
         if (!computed) {
-          std::fill(grad_q, grad_q + rows * in.d_k, T(0));
+          zero_rows(grad_q, ld_grad_q, rows, in.d_k);
         }
       });
 }
@@ -1108,18 +1123,19 @@ void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<
         const auto& [bh, chunk_begin, chunk_end, head, grad_k, grad_v] = task;
         auto& [probs, grad_w, keep, softmax, non_finite, words] = buf;
         const int64_t first_row = bh * in.len_q + row0;
-        const T* grad_out = g.grad_out + first_row * in.d_v;
+        const T* grad_out = head_row(g.grad_out, g.grad_out_stride, in.heads, bh, row0);
+        const int64_t ld_grad_out = g.grad_out_stride.row;
         // P = exp(S - lse), recomputed; dW = dO V^T (+ the gradient of the returned weights)
         // dV and dK of a skipped key are sums of zero weights (score gradients) times dO (Q) rows: a NaN or an
         // infinity in those rows makes them NaN in the math.
-        const bool rows_finite = finite_rows(grad_out, in.d_v, 0, rows, in.d_v) &&
+        const bool rows_finite = finite_rows(grad_out, ld_grad_out, 0, rows, in.d_v) &&
                                  finite_rows(head.q + row0 * in.q_stride.row, in.q_stride.row, 0, rows, in.d_k);
         const KeySpan span = scores_for_chunk(in, head, bh, row0, rows, probs.data(), non_finite, !rows_finite);
         const int64_t width = span.size(), ld_span = packed_ld(span);
         const T* v_span = head.v + span.lo * in.v_stride.row;
         const T* k_span = head.k + span.lo * in.k_stride.row;
-        gemm<T>(false, true, rows, width, in.d_v, T(1), grad_out, in.d_v, v_span, in.v_stride.row, T(0), grad_w.data(),
-                ld_span);
+        gemm<T>(false, true, rows, width, in.d_v, T(1), grad_out, ld_grad_out, v_span, in.v_stride.row, T(0),
+                grad_w.data(), ld_span);
         if (in.dropout_p > 0) {
           fill_chunk_keep(in, first_row, rows, span, words, keep.data());
         }
@@ -1152,12 +1168,13 @@ void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<
           }
         }
         // dV += W^T dO ; dQ = scale * dS K ; dK += scale * dS^T Q (over the keys this chunk sees)
-        gemm<T>(true, false, width, in.d_v, rows, T(1), probs.data(), ld_span, grad_out, in.d_v, T(1),
-                grad_v + span.lo * in.d_v, in.d_v);
+        const int64_t ld_grad_k = g.grad_k.stride.row, ld_grad_v = g.grad_v.stride.row;
+        gemm<T>(true, false, width, in.d_v, rows, T(1), probs.data(), ld_span, grad_out, ld_grad_out, T(1),
+                grad_v + span.lo * ld_grad_v, ld_grad_v);
         gemm<T>(false, false, rows, in.d_k, width, in.scale, grad_w.data(), ld_span, k_span, in.k_stride.row, T(0),
-                g.grad_q + first_row * in.d_k, in.d_k);
+                head_row(g.grad_q, g.grad_q_stride, in.heads, bh, row0), g.grad_q_stride.row);
         gemm<T>(true, false, width, in.d_k, rows, in.scale, grad_w.data(), ld_span, head.q + row0 * in.q_stride.row,
-                in.q_stride.row, T(1), grad_k + span.lo * in.d_k, in.d_k);
+                in.q_stride.row, T(1), grad_k + span.lo * ld_grad_k, ld_grad_k);
       });
 }
 

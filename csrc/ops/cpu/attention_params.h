@@ -1,7 +1,7 @@
 // What the fused CPU attention kernels read and write. Tensors arrive in the accumulation type T (float or
-// double; half types are widened by the caller, and may also come as they are, HalfOperands); q/k/v
-// rows have unit stride in the last dim and any other strides; the mask is a bool view broadcast to (B, H, Lq, Lk)
-// through its strides (zeros where broadcast).
+// double; half types are widened by the caller, and may also come as they are, HalfOperands); q/k/v and the
+// (B, H, L, d) outputs and gradients have rows of unit stride and any other strides (Strides3); the mask is a bool
+// view broadcast to (B, H, Lq, Lk) through its strides (zeros where broadcast).
 #pragma once
 
 #include <algorithm>
@@ -55,24 +55,40 @@ struct AttentionInputs {
 
 template <typename T>
 struct AttentionForwardOutputs {
-  T* out;      // (B, H, Lq, d_v) contiguous
-  T* weights;  // (B, H, Lq, Lk) contiguous, or nullptr when the weights are not kept
-  T* lse;      // (B, H, Lq) log-sum-exp of the masked, scaled scores
+  T* out;               // (B, H, Lq, d_v), rows of unit stride laid out by out_stride
+  T* weights;           // (B, H, Lq, Lk) contiguous, or nullptr when the weights are not kept
+  T* lse;               // (B, H, Lq) log-sum-exp of the masked, scaled scores
+  Strides3 out_stride;  // of out
+};
+
+// dK or dV as the backward's tasks write them: per split of a head's query chunks, partial sums that the caller
+// adds up (or the result itself when there is one split).
+template <typename T>
+struct PartialGradients {
+  T* data;
+  Strides3 stride;  // of a split's (B, H, Lk, d) rows, of unit stride
+  int64_t split;    // elements from one split's rows to the next's
 };
 
 template <typename T>
 struct AttentionBackwardTensors {
-  const T* grad_out;      // (B, H, Lq, d_v) contiguous
+  const T* grad_out;      // (B, H, Lq, d_v), laid out by grad_out_stride
   const T* grad_weights;  // (B, H, Lq, Lk) contiguous, or nullptr
   const T* lse;           // (B, H, Lq)
-  const T* out;           // (B, H, Lq, d_v) forward output widened to T, or nullptr (then row sums are used)
-  T* grad_q;              // (B, H, Lq, d_k) contiguous
-  T* grad_k_partial;      // (B * H, splits, Lk, d_k): per-split partial sums, reduced by the caller
-  T* grad_v_partial;      // (B * H, splits, Lk, d_v)
-  int64_t splits;         // query-chunk ranges per head processed in parallel
-  // grad_out in the half type when the blocked backward's products run in it (AttentionInputs::half), or nullptr
+  const T* out;           // (B, H, Lq, d_v) forward output widened to T (out_stride), or nullptr (then row sums)
+  T* grad_q;              // (B, H, Lq, d_k), laid out by grad_q_stride
+  PartialGradients<T> grad_k, grad_v;
+  int64_t splits;  // query-chunk ranges per head processed in parallel
+  Strides3 grad_out_stride, out_stride, grad_q_stride;
+  // grad_out in the half type, contiguous, when the blocked backward's products run in it (AttentionInputs::half)
   const uint16_t* half_grad_out = nullptr;
 };
+
+// Row `row` of head bh (= batch index * heads + head index) of a (B, H, L, d) tensor laid out by s.
+template <typename T>
+T* head_row(T* base, const Strides3& s, int64_t heads, int64_t bh, int64_t row) {
+  return base + (bh / heads) * s.batch + (bh % heads) * s.head + row * s.row;
+}
 
 // Rows of queries one task handles at a time: about 2 MiB of fp32 score rows per buffer (measured on a
 // 2-core AVX-512 machine: 32..128 rows all within noise at Lk = 1024..4096), between 16 and 128 rows.

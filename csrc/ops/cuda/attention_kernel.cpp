@@ -17,6 +17,7 @@
 #include "ops/cuda/attention_kernels.h"
 #include "ops/cuda/kernel_params_builder.h"
 #include "ops/cuda/scores_gemm.h"
+#include "ops/heads.h"
 #include "ops/kernel_choice.h"
 #include "ops/stock/stock_attention.h"
 
@@ -95,7 +96,7 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
       p.lse = logsumexp.data_ptr<Acc>();
       cuda_kernels::launch_flash_forward(p, stream);
     });
-    return {output, at::empty({0}, query.options()), logsumexp, rng_state};
+    return {in_layout_of(output, query), at::empty({0}, query.options()), logsumexp, rng_state};
   }
   const auto scores = cuda_kernels::scores_gemm(q, k);
   auto weights = at::empty({batch, heads, len_q, len_k}, query.options());
@@ -106,7 +107,7 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
     p.lse = logsumexp.data_ptr<Acc>();
     cuda_kernels::launch_softmax_forward(p, stream);
   });
-  return {at::matmul(weights, v), weights, logsumexp, rng_state};
+  return {in_layout_of(at::matmul(weights, v), query), weights, logsumexp, rng_state};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(const at::Tensor& grad_output, const at::Tensor& query,
@@ -135,7 +136,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(const at::Tensor& 
     p.grad_v = grad_v.data_ptr<scalar_t>();
     cuda_kernels::launch_flash_backward(p, at::cuda::getCurrentCUDAStream());
   });
-  return {grad_q_acc.to(dtype), grad_k, grad_v};
+  return {in_layout_of(grad_q_acc.to(dtype), query), in_layout_of(grad_k, key), in_layout_of(grad_v, value)};
 }
 
 // With a gradient on the weights themselves: dW = dO V^T + grad_weights row by row, then GEMMs in the dtype.
@@ -161,8 +162,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> weights_backward(
     p.grad_scores = grad_scores.data_ptr<scalar_t>();
     cuda_kernels::launch_softmax_backward(p, at::cuda::getCurrentCUDAStream());
   });
-  return {at::matmul(grad_scores, k), at::matmul(grad_scores.transpose(-2, -1), q),
-          at::matmul(weights.transpose(-2, -1), grad_out)};
+  return {in_layout_of(at::matmul(grad_scores, k), query),
+          in_layout_of(at::matmul(grad_scores.transpose(-2, -1), q), key),
+          in_layout_of(at::matmul(weights.transpose(-2, -1), grad_out), value)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(

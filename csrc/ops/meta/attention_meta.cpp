@@ -6,6 +6,7 @@
 
 #include "ops/attention_ops.h"
 #include "ops/checks.h"
+#include "ops/heads.h"
 
 namespace fastmha {
 namespace {
@@ -16,7 +17,7 @@ detail::AttentionForwardResult attention_forward_meta(const at::Tensor& query, c
   check_attention_inputs(query, key, value, mask, dropout_p);
   const auto batch = query.sym_size(0), heads = query.sym_size(1), len_q = query.sym_size(2);
   const auto len_k = key.sym_size(2), d_v = value.sym_size(3);
-  auto output = at::empty_symint({batch, heads, len_q, d_v}, query.options());
+  auto output = empty_heads({batch, heads, len_q, d_v}, heads_interleaved(query), query.options());
   auto weights =
       need_weights ? at::empty_symint({batch, heads, len_q, len_k}, query.options()) : at::empty({0}, query.options());
   auto logsumexp =
@@ -29,8 +30,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_meta(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights, const at::Tensor& query,
     const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& mask, const at::Tensor& output,
     const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p, bool is_causal) {
-  return {at::empty_like(query, at::MemoryFormat::Contiguous), at::empty_like(key, at::MemoryFormat::Contiguous),
-          at::empty_like(value, at::MemoryFormat::Contiguous)};
+  auto like = [](const at::Tensor& t) { return empty_heads(t.sym_sizes(), heads_interleaved(t), t.options()); };
+  return {like(query), like(key), like(value)};
 }
 
 }  // namespace

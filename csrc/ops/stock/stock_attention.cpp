@@ -5,6 +5,8 @@
 #include <cmath>
 #include <limits>
 
+#include "ops/heads.h"
+
 namespace fastmha::stock {
 namespace {
 
@@ -138,8 +140,8 @@ detail::AttentionForwardResult attention_forward(const at::Tensor& query, const 
     output = std::get<0>(result);
     logsumexp = std::get<1>(result).slice(-1, 0, query.size(2)).contiguous();
   }
-  // The stock kernels write (B, Lq, H, ...) memory; the op's contract (and its Meta kernel) is contiguous.
-  return {output.contiguous(), at::empty({0}, query.options()), to_contract_lse(logsumexp, p, key).contiguous(),
+  // The stock kernels write (B, Lq, H, ...) memory; the op's contract (and its Meta kernel) is the query's layout.
+  return {in_layout_of(output, query), at::empty({0}, query.options()), to_contract_lse(logsumexp, p, key).contiguous(),
           at::zeros({2}, query.options().dtype(at::kLong))};
 }
 
@@ -181,7 +183,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
   if (p.dead_rows.defined()) {
     grad_q = grad_q.masked_fill(p.dead_rows, 0);
   }
-  return {grad_q, grad_k, grad_v};
+  return {in_layout_of(grad_q, query), in_layout_of(grad_k, user_key), in_layout_of(grad_v, user_value)};
 }
 
 }  // namespace fastmha::stock
