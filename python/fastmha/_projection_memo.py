@@ -50,18 +50,33 @@ class _Source(NamedTuple):
     bits: Tensor
 
 
+class _KeptMask(NamedTuple):
+    shape: torch.Size
+    values: Tensor  # the mask without its broadcast dims (stride 0), which repeat the same values
+
+
+def _keep_mask(mask: Tensor) -> _KeptMask:
+    # An expanded mask is kept at the size it has in memory, not at its expanded size.
+    values = mask.detach()
+    for dim, (size, stride) in enumerate(zip(values.shape, values.stride())):
+        if stride == 0 and size > 1:
+            values = values.narrow(dim, 0, 1)
+    return _KeptMask(mask.shape, values.clone())
+
+
 class _Entry(NamedTuple):
     sources: List[_Source]
     context: object
-    mask: Optional[Tensor]
+    mask: Optional[_KeptMask]
     projections: Tuple[Tensor, ...]
 
 
-def _same_mask(mask: Optional[Tensor], kept: Optional[Tensor]) -> bool:
+def _same_mask(mask: Optional[Tensor], kept: Optional[_KeptMask]) -> bool:
     if mask is None or kept is None:
         return mask is None and kept is None
-    return (mask.shape == kept.shape and mask.dtype == kept.dtype and mask.device == kept.device
-            and torch.equal(_bits(mask), _bits(kept)))
+    values = kept.values
+    return (mask.shape == kept.shape and mask.dtype == values.dtype and mask.device == values.device
+            and torch.equal(_bits(mask), _bits(values).expand(kept.shape)))
 
 
 class ProjectionMemo:
@@ -105,7 +120,7 @@ class ProjectionMemo:
                 owner._forget(dead)
 
         self._entry = _Entry([_Source(weakref.ref(t, forget), _fingerprint(t), copies[id(t)]) for t in sources],
-                             context, None if mask is None else mask.detach().clone(), projections)
+                             context, None if mask is None else _keep_mask(mask), projections)
 
     def clear(self) -> None:
         self._entry = None

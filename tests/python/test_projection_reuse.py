@@ -305,3 +305,23 @@ def test_blocks_pickled_without_the_memo_still_run():
         for _ in range(2):
             torch.testing.assert_close(restored(x, memory, memory), oracle(x, memory, memory)[0])
     assert restored.reuse_projections
+
+
+def test_memo_keeps_an_expanded_mask_at_its_own_size_and_compares_its_values():
+    memo = ProjectionMemo()
+    memory = torch.randn(4, 9, 8)
+    projections = (torch.randn(4, 9, 8),)
+    padding = torch.tensor([[1] * 9, [1] * 5 + [0] * 4, [1] * 2 + [0] * 7, [1] * 9])[:, None, None, :]
+    expanded = padding.expand(4, 1, 6, 9)  # one row per query, as a decoder step would pass it
+    memo.store([memory], projections, mask=expanded)
+    assert memo._entry.mask.values.numel() == padding.numel()  # not 4 * 6 * 9
+    # Equal values hit, whatever their memory layout; other values, shapes or dtypes miss.
+    assert memo.lookup([memory], mask=expanded) is projections
+    assert memo.lookup([memory], mask=expanded.contiguous()) is projections
+    assert memo.lookup([memory], mask=padding.clone().expand(4, 1, 6, 9)) is projections
+    changed = expanded.clone()
+    changed[1, 0, 3, 6] = 1
+    assert memo.lookup([memory], mask=changed) is None
+    assert memo.lookup([memory], mask=padding) is None
+    assert memo.lookup([memory], mask=expanded.bool()) is None
+    assert memo.lookup([memory]) is None
