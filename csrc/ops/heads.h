@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include <array>
+
 namespace fastmha {
 
 // (batch, L, d_model) -> (batch, h, L, d_k), a view.
@@ -11,12 +13,38 @@ inline at::Tensor split_heads(const at::Tensor& x, int64_t num_heads) {
   return x.view_symint({x.sym_size(0), x.sym_size(1), num_heads, x.sym_size(2) / num_heads}).transpose(1, 2);
 }
 
-// Whether x (batch, h, L, d) lies in memory as (batch, L, h, d), the layout split_heads gives. The attention ops'
-// outputs (and gradients) take the layout of the input they belong to: contiguous, or this one when the input has it,
-// so that merge_heads of a core output costs no copy.
+// The strides of a (batch, h, L, d) tensor in (batch, L, h, d) memory (`interleaved`) or contiguous, as at::empty
+// gives them (a dim of size 0 counts as 1).
+inline std::array<c10::SymInt, 4> heads_strides(c10::SymIntArrayRef sizes, bool interleaved) {
+  const c10::SymInt one(1);
+  const auto h = sizes[1].max(one), l = sizes[2].max(one), d = sizes[3].max(one);
+  if (interleaved) {
+    return {l * h * d, d, h * d, 1};
+  }
+  return {h * l * d, l * d, d, 1};
+}
+
+// Whether x's strides are `strides` wherever they matter (dims of size 1 have no stride that matters). Symbolic
+// sizes that cannot be decided count as a mismatch, so no guard on them is needed.
+inline bool has_strides(const at::Tensor& x, const std::array<c10::SymInt, 4>& strides) {
+  for (int64_t i = 0; i < 4; ++i) {
+    if (!TORCH_GUARD_OR_FALSE(x.sym_size(i).sym_eq(1)) && !TORCH_GUARD_OR_FALSE(x.sym_stride(i).sym_eq(strides[i]))) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// Whether x (batch, h, L, d) lies in memory as (batch, L, h, d), the layout split_heads gives (its batch stride
+// aside). The attention ops' outputs (and gradients) take the layout of the input they belong to: this one when
+// the input has it, otherwise contiguous, so that merge_heads of a core output costs no copy.
 inline bool heads_interleaved(const at::Tensor& x) {
-  return x.dim() == 4 && x.sym_stride(3) == 1 && x.sym_stride(1) == x.sym_size(3) &&
-         x.sym_stride(2) == x.sym_size(1) * x.sym_size(3);
+  if (x.dim() != 4) {
+    return false;
+  }
+  auto strides = heads_strides(x.sym_sizes(), true);
+  strides[0] = x.sym_stride(0);
+  return has_strides(x, strides);
 }
 
 // An empty (batch, h, L, d) tensor, in (batch, L, h, d) memory when `interleaved`, otherwise contiguous.
@@ -27,16 +55,15 @@ inline at::Tensor empty_heads(c10::SymIntArrayRef sizes, bool interleaved, const
   return at::empty_symint({sizes[0], sizes[2], sizes[1], sizes[3]}, options).transpose(1, 2);
 }
 
-// t (batch, h, L, d) in the layout the ops give it for `input` (batch, h, L', d'): (batch, L, h, d) memory when
-// heads_interleaved(input), otherwise contiguous. t itself when it has that layout already, otherwise a copy.
+// t (batch, h, L, d) in the layout the ops give it for `input` (batch, h, L', d'), with the exact strides of
+// empty_heads: a view of t when its memory has that layout already, otherwise a copy.
 inline at::Tensor in_layout_of(const at::Tensor& t, const at::Tensor& input) {
-  if (!heads_interleaved(input)) {
-    return t.contiguous();
+  const bool interleaved = heads_interleaved(input);
+  const auto strides = heads_strides(t.sym_sizes(), interleaved);
+  if (has_strides(t, strides)) {
+    return t.as_strided_symint(t.sym_sizes(), strides, t.sym_storage_offset());
   }
-  if (heads_interleaved(t) && t.sym_stride(0) == t.sym_size(1) * t.sym_size(2) * t.sym_size(3)) {
-    return t;
-  }
-  auto out = empty_heads(t.sym_sizes(), true, t.options());
+  auto out = empty_heads(t.sym_sizes(), interleaved, t.options());
   out.copy_(t);
   return out;
 }

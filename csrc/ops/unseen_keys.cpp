@@ -7,14 +7,10 @@
 #include <vector>
 
 #include "ops/heads.h"
+#include "ops/masked_score.h"
 #include "ops/readable_on_cpu.h"
 
 namespace fastmha {
-namespace {
-
-constexpr double kMaskedScore = -1e9;  // the document's fill for mask == 0
-
-}  // namespace
 
 std::optional<KeyRows> split_key_rows(const std::optional<at::Tensor>& mask, const at::Tensor& key,
                                       const at::Tensor& value, bool is_causal) {

@@ -84,6 +84,44 @@ def test_outputs_follow_the_inputs_layout(monkeypatch, layout, shape, dtype, nee
         torch.testing.assert_close(got.double(), want, **tolerance)
 
 
+GRAD_OUTPUTS = {
+    "like the output": None,
+    "contiguous": lambda g: g.contiguous(),
+    "split": lambda g: g.transpose(1, 2).contiguous().transpose(1, 2),
+    "broadcast over batch and heads": lambda g: g[:1, :1].expand_as(g),
+}
+
+
+@pytest.mark.parametrize("grad_layout", list(GRAD_OUTPUTS))
+@pytest.mark.parametrize("split_q", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("need_weights", [True, False])
+@pytest.mark.parametrize("kernels", ["own", "stock"])
+def test_gradients_from_any_output_gradient_layout(monkeypatch, grad_layout, split_q, dtype, need_weights, kernels):
+    # d_v differs from d_k; the output gradient comes in any layout, also one that differs from the output's.
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", kernels)
+    b, h, lq, lk, d_k, d_v = 2, 3, 11, 14, 8, 12
+    q = (interleaved if split_q else contiguous)(b, h, lq, d_k, dtype)
+    k = interleaved(b, h, lk, d_k, dtype)
+    v = interleaved(b, h, lk, d_v, dtype)
+    mask = torch.rand(b, 1, lq, lk) > 0.3
+    out, weights, lse, rng_state = OPS._attention_forward(q, k, v, mask, 0.0, need_weights, False)
+    assert out.shape == (b, h, lq, d_v)
+    assert_layout(out, split_q)
+    grad_out = torch.randn(b, h, lq, d_v, dtype=dtype)
+    if GRAD_OUTPUTS[grad_layout] is not None:
+        grad_out = GRAD_OUTPUTS[grad_layout](grad_out)
+    dq, dk, dv = OPS._attention_backward(grad_out, None, q, k, v, mask, out, lse, rng_state, 0.0, False)
+    assert_layout(dq, split_q)
+    assert_layout(dk, True)
+    assert_layout(dv, True)
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = oracle_attention(*ref_inputs, mask)
+    ref_grads = torch.autograd.grad(ref_out, ref_inputs, grad_out.double())
+    for got, want in zip((dq, dk, dv), ref_grads):
+        torch.testing.assert_close(got.double(), want, **TOLERANCES[dtype])
+
+
 def test_the_public_op_and_autograd_keep_the_layout():
     q, k, v = (interleaved(2, 4, 9, 8, torch.float32).requires_grad_() for _ in range(3))
     out, _ = OPS.attention(q, k, v, None, 0.0, False, False)
@@ -98,8 +136,11 @@ def test_the_public_op_and_autograd_keep_the_layout():
 
 @pytest.mark.parametrize("mask_kind", ["none", "bool"])
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_fake_kernels_give_the_real_strides(device, mask_kind, is_causal):
-    q, k, v = (interleaved(2, 3, n, 4, torch.float64).to(device) for n in (5, 6, 6))
+@pytest.mark.parametrize("kernels", ["own", "stock"])
+@pytest.mark.parametrize("len_q", [5, 1])  # one query: a decoding step, a dim of size 1
+def test_fake_kernels_give_the_real_strides(monkeypatch, device, mask_kind, is_causal, kernels, len_q):
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", kernels)
+    q, k, v = (interleaved(2, 3, n, 4, torch.float64).to(device) for n in (len_q, 6, 6))
     mask = None if mask_kind == "none" else torch.rand(2, 1, 1, 6, device=device) > 0.3
     torch.library.opcheck(OPS.attention.default, (q.requires_grad_(), k, v.requires_grad_(), mask, 0.0, False, is_causal))
     q, v = q.detach(), v.detach()

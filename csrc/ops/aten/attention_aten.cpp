@@ -6,12 +6,10 @@
 #include <cmath>
 
 #include "ops/heads.h"
+#include "ops/masked_score.h"
 
 namespace fastmha::aten_impl {
 namespace {
-
-// The value the document writes into masked scores before the softmax.
-constexpr double kMaskedScore = -1e9;
 
 at::ScalarType accumulation_type(at::ScalarType t) { return at::toOpMathType(t); }
 

@@ -33,6 +33,7 @@
 #include "ops/cpu/key_span.h"
 #include "ops/cpu/philox_batch.h"
 #include "ops/cpu/weights_row.h"
+#include "ops/masked_score.h"
 #include "ops/philox.h"
 
 namespace fastmha::cpu {
@@ -40,8 +41,6 @@ namespace CPU_CAPABILITY {
 namespace {
 
 using at::vec::Vectorized;
-
-constexpr double kMaskedScore = -1e9;  // the document's fill for mask == 0
 
 template <typename T>
 struct Head {

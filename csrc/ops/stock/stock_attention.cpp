@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "ops/heads.h"
+#include "ops/masked_score.h"
 
 namespace fastmha::stock {
 namespace {
@@ -71,7 +72,7 @@ at::Tensor to_contract_lse(const at::Tensor& stock_lse, const Prepared& p, const
     return lse;
   }
   const double log_keys = std::log(static_cast<double>(key.size(2)));
-  return lse.masked_fill(dead_rows_of_lse(p), -1e9 + log_keys);
+  return lse.masked_fill(dead_rows_of_lse(p), kMaskedScore + log_keys);
 }
 
 at::Tensor to_stock_lse(const at::Tensor& lse, const Prepared& p, const at::Tensor& key) {

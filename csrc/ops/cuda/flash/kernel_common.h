@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "ops/cuda/flash/kernel_params.h"
+#include "ops/masked_score.h"
 #include "ops/philox.h"
 
 #if defined(__CUDACC__)
@@ -38,8 +39,8 @@ void with_padded_head_dim(int d, F f) {
   }
 }
 
-// The value the document writes into masked scores before the softmax.
-constexpr float kMaskedScore = -1e9f;
+// ops/masked_score.h in the accumulation type of the device code.
+constexpr float kMaskedScore = static_cast<float>(fastmha::kMaskedScore);
 
 // A row whose log-sum-exp is this low had every score masked: its softmax is uniform (1 / Lk). In fp32,
 // lse = -1e9 + log(Lk) rounds to -1e9, so exp(s - lse) cannot recover it.
