@@ -38,6 +38,18 @@ def assert_layout(t, heads_last):
     assert got == want, f"strides {t.stride()} for shape {tuple(t.shape)}, expected {expected_strides(t, heads_last)}"
 
 
+KERNELS = ["own", "stock", "own, half-type products"]
+
+
+def use_kernels(monkeypatch, kernels, dtype):
+    if kernels.endswith("products"):
+        if dtype not in (torch.bfloat16, torch.float16):
+            pytest.skip("products in the half type are for half types")
+        # ATen's reference GEMM on any CPU: the same packing and strides as the native products.
+        monkeypatch.setenv("FASTMHA_CPU_HALF_GEMM", "reference")
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", kernels.split(",")[0])
+
+
 LAYOUTS = {"all split": (True, True, True), "query split": (True, False, False), "keys split": (False, True, True)}
 SHAPES = {"small": (2, 3, 13, 17, 8), "one head pair, many chunks": (1, 2, 300, 50, 16)}
 
@@ -47,10 +59,10 @@ SHAPES = {"small": (2, 3, 13, 17, 8), "one head pair, many chunks": (1, 2, 300, 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("need_weights,dropout_p", [(True, 0.0), (False, 0.0), (True, 0.25), (False, 0.25)])
 @pytest.mark.parametrize("masked", [False, True])
-@pytest.mark.parametrize("kernels", ["own", "stock"])
+@pytest.mark.parametrize("kernels", KERNELS)
 def test_outputs_follow_the_inputs_layout(monkeypatch, layout, shape, dtype, need_weights, dropout_p, masked,
                                           kernels):
-    monkeypatch.setenv("FASTMHA_CPU_KERNELS", kernels)
+    use_kernels(monkeypatch, kernels, dtype)
     b, h, lq, lk, d = SHAPES[shape]
     split_q, split_k, split_v = LAYOUTS[layout]
     q = (interleaved if split_q else contiguous)(b, h, lq, d, dtype)
@@ -96,10 +108,10 @@ GRAD_OUTPUTS = {
 @pytest.mark.parametrize("split_q", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("need_weights", [True, False])
-@pytest.mark.parametrize("kernels", ["own", "stock"])
+@pytest.mark.parametrize("kernels", KERNELS)
 def test_gradients_from_any_output_gradient_layout(monkeypatch, grad_layout, split_q, dtype, need_weights, kernels):
     # d_v differs from d_k; the output gradient comes in any layout, also one that differs from the output's.
-    monkeypatch.setenv("FASTMHA_CPU_KERNELS", kernels)
+    use_kernels(monkeypatch, kernels, dtype)
     b, h, lq, lk, d_k, d_v = 2, 3, 11, 14, 8, 12
     q = (interleaved if split_q else contiguous)(b, h, lq, d_k, dtype)
     k = interleaved(b, h, lk, d_k, dtype)

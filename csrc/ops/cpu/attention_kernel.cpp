@@ -241,7 +241,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
   const auto half_mode = cpu::half_gemm_mode();
   const bool half = use_output && cpu::multiplies_in_half_type(query.scalar_type(), half_mode);
   const HalfInputs half_inputs(query, key, value, half);
-  const auto half_grad_out = half ? grad_output.to(query.scalar_type()).contiguous() : at::Tensor();
+  const auto half_grad_out = half ? kernel_operand(grad_output, query.scalar_type()) : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES(acc, "fastmha_cpu_attention_backward", [&] {
     auto in = kernel_inputs<scalar_t>(q, k, v, mask_view, dropout_p, is_causal, seed_offset[0], seed_offset[1],
                                       Pass::kBackward);
@@ -263,6 +263,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
     if (half) {
       in.half = half_inputs.view(half_mode == cpu::HalfGemmMode::kNative);
       grads.half_grad_out = static_cast<const uint16_t*>(half_grad_out.const_data_ptr());
+      grads.half_grad_out_stride = strides3(half_grad_out);
     }
     run_backward(in, grads);
   });

@@ -944,28 +944,27 @@ void row_softmax_constants(const AttentionInputs<T>& in, const AttentionBackward
 // dK += scale dS^T Q, with W (probs) and dS (grad_w) rounded to the half type. The chunk's dO and Q rows, right
 // operands of dV and dK at every block, are packed once per chunk (half_chunk_rows).
 template <typename T>
-void half_grad_weights(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, const Head<T>& head,
-                       int64_t first_row, int64_t rows, int64_t lo, int64_t n, T* grad_w) {
+void half_grad_weights(const AttentionInputs<T>& in, const uint16_t* grad_out, int64_t ld_grad_out, const Head<T>& head,
+                       int64_t rows, int64_t lo, int64_t n, T* grad_w) {
   if constexpr (std::is_same_v<T, float>) {
-    half_times_transposed(in.half, g.half_grad_out + first_row * in.d_v, in.d_v, rows,
-                          head.half_v + lo * in.half.v_stride.row, in.half.v_stride.row,
-                          columns_of_head(head.values_t, in.half.values_t, lo, in.half.vnni), n, in.d_v, grad_w, n,
-                          1.0f);
+    half_times_transposed(in.half, grad_out, ld_grad_out, rows, head.half_v + lo * in.half.v_stride.row,
+                          in.half.v_stride.row, columns_of_head(head.values_t, in.half.values_t, lo, in.half.vnni), n,
+                          in.d_v, grad_w, n, 1.0f);
   } else {
     TORCH_INTERNAL_ASSERT(false, "half-type products take float scores");
   }
 }
 
-// The chunk's dO and Q rows (rows from row0) packed as right operands, padded_depth(rows) deep, into the calling
-// thread's scratch for half_block_gradients.
+// The chunk's dO rows (row stride ld_grad_out) and Q rows (rows from row0) packed as right operands,
+// padded_depth(rows) deep, into the calling thread's scratch for half_block_gradients.
 template <typename T>
-void half_chunk_rows(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, const Head<T>& head,
-                     int64_t first_row, int64_t row0, int64_t rows) {
+void half_chunk_rows(const AttentionInputs<T>& in, const uint16_t* grad_out, int64_t ld_grad_out, const Head<T>& head,
+                     int64_t row0, int64_t rows) {
   HalfScratch& scratch = half_scratch();
   const int64_t depth = padded_depth(rows);
   scratch.chunk_grad_out.resize(packed_size(depth, in.d_v));
   scratch.chunk_q.resize(packed_size(depth, in.d_k));
-  pack_rows(g.half_grad_out + first_row * in.d_v, in.d_v, rows, in.d_v, in.half.vnni, scratch.chunk_grad_out.data());
+  pack_rows(grad_out, ld_grad_out, rows, in.d_v, in.half.vnni, scratch.chunk_grad_out.data());
   pack_rows(head.half_q + row0 * in.half.q_stride.row, in.half.q_stride.row, rows, in.d_k, in.half.vnni,
             scratch.chunk_q.data());
 }
@@ -1043,6 +1042,8 @@ void blocked_backward(const AttentionInputs<T>& inputs, const AttentionBackwardT
         T* grad_q = head_row(g.grad_q, g.grad_q_stride, in.heads, bh, row0);
         const int64_t ld_grad_out = g.grad_out_stride.row, ld_grad_q = g.grad_q_stride.row;
         const int64_t ld_grad_k = g.grad_k.stride.row, ld_grad_v = g.grad_v.stride.row;
+        const uint16_t* half_grad_out =
+            g.half_grad_out ? head_row(g.half_grad_out, g.half_grad_out_stride, in.heads, bh, row0) : nullptr;
         // dO rows all zero (padded queries that the loss ignores): dP = 0 and D = sum_j P_j dP_j = 0, so dS = 0.
         // The chunk adds nothing to dK and dV and its dQ rows are zero, unless 0 * inf makes NaN: a non-finite
         // Q row, key, value or log-sum-exp (P = exp(S - lse)).
@@ -1060,7 +1061,7 @@ void blocked_backward(const AttentionInputs<T>& inputs, const AttentionBackwardT
         const KeySpan span = chunk_span(in, head, bh, row0, rows, non_finite, !may_skip);
         const bool narrow = may_skip && span.masked && !non_finite.any(in, head, bh);
         if (in.half.q != nullptr) {
-          half_chunk_rows(in, g, head, first_row, row0, rows);
+          half_chunk_rows(in, half_grad_out, g.half_grad_out_stride.row, head, row0, rows);
         }
         bool computed = false;
         for (int64_t from = span.lo; from < span.hi;) {
@@ -1074,7 +1075,7 @@ void blocked_backward(const AttentionInputs<T>& inputs, const AttentionBackwardT
           const T* k_part = head.k + lo * in.k_stride.row;
           block_scores(in, head, row0, rows, part, probs.data(), n);
           if (in.half.q != nullptr) {
-            half_grad_weights(in, g, head, first_row, rows, lo, n, grad_w.data());
+            half_grad_weights(in, half_grad_out, g.half_grad_out_stride.row, head, rows, lo, n, grad_w.data());
           } else {
             gemm<T>(false, true, rows, n, in.d_v, T(1), grad_out, ld_grad_out, v_part, in.v_stride.row, T(0),
                     grad_w.data(), n);

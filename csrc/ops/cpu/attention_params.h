@@ -80,8 +80,9 @@ struct AttentionBackwardTensors {
   PartialGradients<T> grad_k, grad_v;
   int64_t splits;  // query-chunk ranges per head processed in parallel
   Strides3 grad_out_stride, out_stride, grad_q_stride;
-  // grad_out in the half type, contiguous, when the blocked backward's products run in it (AttentionInputs::half)
+  // grad_out in the half type when the blocked backward's products run in it (AttentionInputs::half), or nullptr
   const uint16_t* half_grad_out = nullptr;
+  Strides3 half_grad_out_stride{};
 };
 
 // Row `row` of head bh (= batch index * heads + head index) of a (B, H, L, d) tensor laid out by s.
