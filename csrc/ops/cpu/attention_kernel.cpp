@@ -191,7 +191,7 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
                                                      logsumexp.data_ptr<scalar_t>(), strides3(output)};
     run_forward(in, out);
   });
-  return {in_layout_of(output.to(dtype), query), weights.to(dtype), logsumexp, rng_state};
+  return {output.to(dtype), weights.to(dtype), logsumexp, rng_state};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
@@ -267,17 +267,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
     }
     run_backward(in, grads);
   });
+  // The outputs were allocated in the ops' layout (empty_output); .to keeps it.
   auto reduce = [&](const at::Tensor& partial, const at::Tensor& input) {
     if (splits == 1) {
-      return in_layout_of(partial.select(0, 0).to(input.scalar_type()), input);
+      return partial.select(0, 0).to(input.scalar_type());
     }
     auto summed = empty_output(partial.sizes().slice(1), input, partial.options());
     const int64_t split_dim = 0;
     at::sum_out(summed, partial, at::IntArrayRef(split_dim));
-    return in_layout_of(summed.to(input.scalar_type()), input);
+    return summed.to(input.scalar_type());
   };
-  return {in_layout_of(grad_q.to(query.scalar_type()), query), reduce(grad_k_partial, key),
-          reduce(grad_v_partial, value)};
+  return {grad_q.to(query.scalar_type()), reduce(grad_k_partial, key), reduce(grad_v_partial, value)};
 }
 
 }  // namespace

@@ -63,12 +63,12 @@ template <typename T>
 Head<T> head_pointers(const AttentionInputs<T>& in, int64_t bh) {
   const int64_t b = bh / in.heads, h = bh % in.heads;
   const bool* mask = in.mask ? in.mask + b * in.mask_stride[0] + h * in.mask_stride[1] : nullptr;
-  Head<T> head{in.q + b * in.q_stride.batch + h * in.q_stride.head, in.k + b * in.k_stride.batch + h * in.k_stride.head,
-               in.v + b * in.v_stride.batch + h * in.v_stride.head, mask};
+  Head<T> head{head_row(in.q, in.q_stride, in.heads, bh, 0), head_row(in.k, in.k_stride, in.heads, bh, 0),
+               head_row(in.v, in.v_stride, in.heads, bh, 0), mask};
   if (const HalfOperands& half = in.half; half.q != nullptr) {
-    head.half_q = half.q + b * half.q_stride.batch + h * half.q_stride.head;
-    head.half_k = half.k + b * half.k_stride.batch + h * half.k_stride.head;
-    head.half_v = half.v + b * half.v_stride.batch + h * half.v_stride.head;
+    head.half_q = head_row(half.q, half.q_stride, in.heads, bh, 0);
+    head.half_k = head_row(half.k, half.k_stride, in.heads, bh, 0);
+    head.half_v = head_row(half.v, half.v_stride, in.heads, bh, 0);
     auto of_head = [bh](const PackedHeads& p) { return p.data != nullptr ? p.data + bh * p.per_head : nullptr; };
     head.keys_t = of_head(half.keys_t);
     head.values = of_head(half.values);
