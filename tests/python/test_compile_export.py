@@ -17,20 +17,26 @@ class Layer(nn.Module):
         return self.norm(x + self.attention(x, x, x, mask))
 
 
+def assert_compiled_matches_eager(compiled, eager, lengths):
+    """Output and input gradient of (batch 2, L, 32) inputs with padding masks, at each length; new lengths reuse
+    the dynamic graph."""
+    for length in lengths:
+        x = torch.randn(2, length, 32, requires_grad=True)
+        mask = torch.rand(2, 1, 1, length) > 0.2
+        out = compiled(x, mask)
+        (grad_compiled,) = torch.autograd.grad(out.square().sum(), x)
+        ref = eager(x, mask)
+        (grad_eager,) = torch.autograd.grad(ref.square().sum(), x)
+        torch.testing.assert_close(out, ref)
+        torch.testing.assert_close(grad_compiled, grad_eager)
+
+
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])  # CUDA graphs in the latter apply on GPUs
 def test_compile_fullgraph_dynamic_matches_eager_forward_and_backward(mode):
     torch.manual_seed(0)
     model = Layer(need_weights=True, is_causal=True)
     compiled = torch.compile(model, fullgraph=True, dynamic=True, mode=mode)  # a graph break would raise
-    for length in (7, 12, 17):  # new lengths reuse the dynamic graph
-        x = torch.randn(2, length, 32, requires_grad=True)
-        mask = torch.rand(2, 1, 1, length) > 0.2
-        out = compiled(x, mask)
-        (grad_compiled,) = torch.autograd.grad(out.square().sum(), x)
-        ref = model(x, mask)
-        (grad_eager,) = torch.autograd.grad(ref.square().sum(), x)
-        torch.testing.assert_close(out, ref)
-        torch.testing.assert_close(grad_compiled, grad_eager)
+    assert_compiled_matches_eager(compiled, model, lengths=(7, 12, 17))
 
 
 def test_export_save_load_round_trip(tmp_path):
@@ -58,12 +64,4 @@ def test_compile_core_op_on_split_heads_dynamic():
         return out.transpose(1, 2).contiguous().view(b, length, 32)
 
     compiled = torch.compile(attend, fullgraph=True, dynamic=True)
-    for length in (5, 9, 13):
-        x = torch.randn(2, length, 32, requires_grad=True)
-        mask = torch.rand(2, 1, 1, length) > 0.2
-        out = compiled(x, mask)
-        (grad_compiled,) = torch.autograd.grad(out.square().sum(), x)
-        ref = attend(x, mask)
-        (grad_eager,) = torch.autograd.grad(ref.square().sum(), x)
-        torch.testing.assert_close(out, ref)
-        torch.testing.assert_close(grad_compiled, grad_eager)
+    assert_compiled_matches_eager(compiled, attend, lengths=(5, 9, 13))
