@@ -10,11 +10,11 @@
 // row with no visible key, or none scoring well above -1e9; a NaN or infinity in a score, or one that a zero
 // weight or gradient would multiply) the chunk takes all keys.
 //
-// Work is split into (batch*head, query chunk) tasks under one at::parallel_for. A task computes its chunk's
-// scores with a BLAS GEMM, then one vectorized pass per row does scale + mask + softmax + log-sum-exp +
-// dropout in place, and a second GEMM applies the weights to V. Scores live in a per-task buffer of
-// chunk x Lk (or directly in the weights output when it is kept): nothing of size Lq x Lk is allocated
-// otherwise. The backward recomputes each chunk's softmax from the saved log-sum-exp and regenerates the
+// Work is split into (batch*head, query chunk) tasks that the threads take as they come free (task_queue.h).
+// A task computes its chunk's scores with a BLAS GEMM, then one vectorized pass per row does scale + mask +
+// softmax + log-sum-exp + dropout in place, and a second GEMM applies the weights to V. Scores live in a
+// per-task buffer of chunk x Lk (or directly in the weights output when it is kept): nothing of size Lq x Lk is
+// allocated otherwise. The backward recomputes each chunk's softmax from the saved log-sum-exp and regenerates the
 // dropout mask from the Philox (seed, offset); it splits each head's query chunks into ranges that run in
 // parallel (partial dK/dV per range, summed by the caller), so it scales even when batch*heads is small.
 #include <ATen/Parallel.h>
@@ -32,6 +32,7 @@
 #include "ops/cpu/blas.h"
 #include "ops/cpu/key_span.h"
 #include "ops/cpu/philox_batch.h"
+#include "ops/cpu/task_queue.h"
 #include "ops/cpu/weights_row.h"
 #include "ops/masked_score.h"
 #include "ops/philox.h"
@@ -560,10 +561,13 @@ bool finite_rows(const T* v, int64_t row_stride, int64_t from, int64_t to, int64
 
 // The first and the last key of a head whose key or value row holds a NaN or an infinity, found once per head
 // (a task keeps one of these and walks its chunks head by head). A zero weight times such a value is NaN in
-// the forward; a zero score gradient times such a key is NaN in dQ.
+// the forward; a zero score gradient times such a key is NaN in dQ. The forward looks at the values only
+// (`with_keys` false): the score of a hidden key is -1e9 whatever the key holds.
 template <typename T>
 class NonFiniteKeys {
  public:
+  explicit NonFiniteKeys(bool with_keys) : with_keys_(with_keys) {}
+
   // Whether such a key lies outside the span (a skipped key).
   bool outside(const AttentionInputs<T>& in, const Head<T>& head, int64_t head_index, const KeySpan& span) {
     scan(in, head, head_index);
@@ -586,7 +590,7 @@ class NonFiniteKeys {
     last_ = -1;
     auto finite = [&](int64_t from, int64_t to) {
       return finite_rows(head.v, in.v_stride.row, from, to, in.d_v) &&
-             finite_rows(head.k, in.k_stride.row, from, to, in.d_k);
+             (!with_keys_ || finite_rows(head.k, in.k_stride.row, from, to, in.d_k));
     };
     if (!finite(0, in.len_k)) {
       for (int64_t i = 0; i < in.len_k; ++i) {
@@ -598,6 +602,7 @@ class NonFiniteKeys {
     }
   }
 
+  bool with_keys_;
   int64_t head_index_ = -1, first_ = 0, last_ = -1;
 };
 
@@ -699,32 +704,53 @@ bool online_chunk(const AttentionInputs<T>& in, const Head<T>& head, int64_t row
   return complete;
 }
 
+// Forward task `task` of a head's `chunks` query chunks of `chunk` rows: head bh (= batch index * heads + head
+// index), rows row0 .. row0 + rows, the first of them row first_row of (B*H*Lq).
+template <typename T>
+struct ForwardChunk {
+  int64_t bh, row0, rows, first_row;
+  Head<T> head;
+};
+
+template <typename T>
+ForwardChunk<T> forward_chunk(const AttentionInputs<T>& in, int64_t task, int64_t chunks, int64_t chunk) {
+  const int64_t bh = task / chunks, row0 = (task % chunks) * chunk;
+  return {bh, row0, std::min(chunk, in.len_q - row0), bh * in.len_q + row0, head_pointers(in, bh)};
+}
+
+// Forward tasks handed out a head's chunks at a time (its keys and values, and the scan of them for
+// non-finite entries, stay with one thread) when there are heads enough to balance the threads; otherwise one
+// chunk at a time.
+template <typename T>
+int64_t head_grain(const AttentionInputs<T>& in, int64_t chunks) {
+  return in.batch * in.heads >= 4 * at::get_num_threads() ? chunks : 1;
+}
+
 template <typename T>
 void online_forward(const AttentionInputs<T>& in, const AttentionForwardOutputs<T>& out) {
   const int64_t chunk = online_query_chunk(in.len_q, in.batch * in.heads, at::get_num_threads());
   const int64_t chunks = (in.len_q + chunk - 1) / chunk;
-  at::parallel_for(0, in.batch * in.heads * chunks, 1, [&](int64_t begin, int64_t end) {
+  for_each_task(in.batch * in.heads * chunks, head_grain(in, chunks), [&](const auto& claim) {
     const HalfProductsTask half_products(in.half.vnni);
     OnlineBuffers<T> buf;
     buf.scores.resize(chunk * in.key_block);
     buf.keep.resize(in.dropout_p > 0 ? chunk * in.key_block : 0);
     buf.max.resize(chunk);
     buf.sum.resize(chunk);
-    NonFiniteKeys<T> non_finite;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t bh = task / chunks, row0 = (task % chunks) * chunk;
-      const int64_t rows = std::min(chunk, in.len_q - row0);
-      const Head<T> head = head_pointers(in, bh);
-      const int64_t first_row = bh * in.len_q + row0;  // row index in (B*H*Lq)
-      T* const out_rows = head_row(out.out, out.out_stride, in.heads, bh, row0);
-      const int64_t out_ld = out.out_stride.row;
-      const KeySpan span = chunk_span(in, head, bh, row0, rows, non_finite, false);
-      // A zero weight times a NaN or infinite value is NaN: no key is skipped inside the span of such a head.
-      // Nor in a chunk with a row that sees no key (uniform over all keys: skipping would only cost a redo).
-      const bool narrow = span.masked && !span.row_without_key && !non_finite.any(in, head, bh);
-      if (!online_chunk(in, head, row0, rows, first_row, span, narrow, buf, out_rows, out_ld, out.lse + first_row)) {
-        online_chunk(in, head, row0, rows, first_row, KeySpan{0, in.len_k, head.mask != nullptr}, false, buf, out_rows,
-                     out_ld, out.lse + first_row);
+    NonFiniteKeys<T> non_finite(false);
+    for (int64_t begin, end; claim(begin, end);) {
+      for (int64_t task = begin; task < end; ++task) {
+        const auto [bh, row0, rows, first_row, head] = forward_chunk(in, task, chunks, chunk);
+        T* const out_rows = head_row(out.out, out.out_stride, in.heads, bh, row0);
+        const int64_t out_ld = out.out_stride.row;
+        const KeySpan span = chunk_span(in, head, bh, row0, rows, non_finite, false);
+        // A zero weight times a NaN or infinite value is NaN: no key is skipped inside the span of such a head.
+        // Nor in a chunk with a row that sees no key (uniform over all keys: skipping would only cost a redo).
+        const bool narrow = span.masked && !span.row_without_key && !non_finite.any(in, head, bh);
+        if (!online_chunk(in, head, row0, rows, first_row, span, narrow, buf, out_rows, out_ld, out.lse + first_row)) {
+          online_chunk(in, head, row0, rows, first_row, KeySpan{0, in.len_k, head.mask != nullptr}, false, buf,
+                       out_rows, out_ld, out.lse + first_row);
+        }
       }
     }
   });
@@ -745,41 +771,40 @@ void forward_impl(const AttentionInputs<T>& inputs, const AttentionForwardOutput
   constexpr int64_t kStreamBytes = int64_t{16} << 20;
   const bool stream_weights =
       out.weights != nullptr && in.batch * in.heads * in.len_q * ld * int64_t(sizeof(T)) >= kStreamBytes;
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+  for_each_task(tasks, head_grain(in, chunks), [&](const auto& claim) {
     const HalfProductsTask half_products(in.half.vnni);
     // Scores are computed in a task buffer, packed to the span's width, also when the weights are kept: they
     // are then written out once, normalized, and the buffer stays in cache for the GEMM with V.
     std::vector<T> buffer(chunk * ld), inv_sum(chunk), keep(in.dropout_p > 0 ? chunk * ld : 0);
-    NonFiniteKeys<T> non_finite;
+    NonFiniteKeys<T> non_finite(false);
     std::vector<uint32_t> words;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t bh = task / chunks, row0 = (task % chunks) * chunk;
-      const int64_t rows = std::min(chunk, in.len_q - row0);
-      const Head<T> head = head_pointers(in, bh);
-      const int64_t first_row = bh * in.len_q + row0;  // row index in (B*H*Lq)
-      const KeySpan span = scores_for_chunk(in, head, bh, row0, rows, buffer.data(), non_finite);
-      const int64_t n = span.size(), score_ld = packed_ld(span);
-      T* const first = buffer.data();
-      T* out_rows = head_row(out.out, out.out_stride, in.heads, bh, row0);
-      const int64_t out_ld = out.out_stride.row;
-      if (in.dropout_p > 0) {
-        fill_chunk_keep(in, first_row, rows, span, words, keep.data());
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        T* s = first + r * score_ld;
-        const auto [max, sum] = exp_row(s, n);
-        out.lse[first_row + r] = max + std::log(sum);
-        inv_sum[r] = T(1) / sum;
+    for (int64_t begin, end; claim(begin, end);) {
+      for (int64_t task = begin; task < end; ++task) {
+        const auto [bh, row0, rows, first_row, head] = forward_chunk(in, task, chunks, chunk);
+        const KeySpan span = scores_for_chunk(in, head, bh, row0, rows, buffer.data(), non_finite);
+        const int64_t n = span.size(), score_ld = packed_ld(span);
+        T* const first = buffer.data();
+        T* out_rows = head_row(out.out, out.out_stride, in.heads, bh, row0);
+        const int64_t out_ld = out.out_stride.row;
         if (in.dropout_p > 0) {
-          at::vec::map2([](Vectorized<T> a, Vectorized<T> b) { return a * b; }, s, s, keep.data() + r * n, n);
+          fill_chunk_keep(in, first_row, rows, span, words, keep.data());
         }
-        if (out.weights) {  // zeros at the keys no query of this chunk can see
-          write_weights_row(out.weights + (first_row + r) * ld, s, span.lo, span.hi, ld, inv_sum[r], stream_weights);
+        for (int64_t r = 0; r < rows; ++r) {
+          T* s = first + r * score_ld;
+          const auto [max, sum] = exp_row(s, n);
+          out.lse[first_row + r] = max + std::log(sum);
+          inv_sum[r] = T(1) / sum;
+          if (in.dropout_p > 0) {
+            at::vec::map2([](Vectorized<T> a, Vectorized<T> b) { return a * b; }, s, s, keep.data() + r * n, n);
+          }
+          if (out.weights) {  // zeros at the keys no query of this chunk can see
+            write_weights_row(out.weights + (first_row + r) * ld, s, span.lo, span.hi, ld, inv_sum[r], stream_weights);
+          }
         }
-      }
-      apply_values(in, head, first, score_ld, rows, span.lo, n, out_rows, out_ld, false);
-      for (int64_t r = 0; r < rows; ++r) {  // normalize d_v outputs per row instead of Lk weights
-        scale_row(out_rows + r * out_ld, in.d_v, n > 0 ? inv_sum[r] : T(0));
+        apply_values(in, head, first, score_ld, rows, span.lo, n, out_rows, out_ld, false);
+        for (int64_t r = 0; r < rows; ++r) {  // normalize d_v outputs per row instead of Lk weights
+          scale_row(out_rows + r * out_ld, in.d_v, n > 0 ? inv_sum[r] : T(0));
+        }
       }
     }
     fence_streamed_stores();
@@ -888,7 +913,7 @@ template <typename T>
 struct BackwardBuffers {
   std::vector<T> probs, grad_w, keep;
   std::vector<RowSoftmax<T>> softmax;
-  NonFiniteKeys<T> non_finite;
+  NonFiniteKeys<T> non_finite{true};
   std::vector<uint32_t> words;
 };
 
@@ -1005,17 +1030,19 @@ template <typename T, typename Body>
 void for_each_backward_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, int64_t chunk,
                              int64_t width, const Body& body) {
   const int64_t chunks = (in.len_q + chunk - 1) / chunk;
-  at::parallel_for(0, in.batch * in.heads * g.splits, 1, [&](int64_t begin, int64_t end) {
+  for_each_task(in.batch * in.heads * g.splits, 1, [&](const auto& claim) {
     const HalfProductsTask half_products(in.half.vnni);
     BackwardBuffers<T> buf;
     buf.probs.resize(chunk * width);
     buf.grad_w.resize(chunk * width);
     buf.keep.resize(in.dropout_p > 0 ? chunk * width : 0);
     buf.softmax.resize(chunk);
-    for (int64_t t = begin; t < end; ++t) {
-      const SplitTask<T> task = split_task(in, g, t, chunks);
-      for (int64_t c = task.chunk_begin; c < task.chunk_end; ++c) {
-        body(task, c * chunk, std::min(chunk, in.len_q - c * chunk), buf);
+    for (int64_t begin, end; claim(begin, end);) {
+      for (int64_t t = begin; t < end; ++t) {
+        const SplitTask<T> task = split_task(in, g, t, chunks);
+        for (int64_t c = task.chunk_begin; c < task.chunk_end; ++c) {
+          body(task, c * chunk, std::min(chunk, in.len_q - c * chunk), buf);
+        }
       }
     }
   });
