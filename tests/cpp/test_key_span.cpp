@@ -5,6 +5,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <limits>
 #include <vector>
 
 #include "ops/cpu/key_span.h"
@@ -111,6 +112,29 @@ TEST_CASE("the kernel choice's share of computed keys", "[key_span]") {
   CHECK(computed_key_fraction(torch::zeros({300, 1000}, torch::kInt64), 2, 8, 300, 1000) == 1.0);  // uniform rows
   const auto blocks = torch::arange(1024).unsqueeze(1) / 64 == torch::arange(1024).unsqueeze(0) / 64;
   CHECK(computed_key_fraction(blocks, 1, 1, 1024, 1024) == Approx(64.0 / 1024));
+}
+
+TEST_CASE("the share of computed keys reads a mask of every dtype as nonzero attends", "[key_span]") {
+  using fastmha::cpu::computed_key_fraction;
+  // Padding that differs per batch element and row, read through a transposed (non-unit column stride) view.
+  auto mask = (torch::rand({2, 1, 400, 300}) > 0.5).logical_and(torch::arange(300) < 90);
+  mask.select(0, 1).narrow(-1, 0, 40).fill_(true);
+  const double want = computed_key_fraction(mask, 2, 8, 400, 300);
+  REQUIRE(want > 0.0);
+  REQUIRE(want < 0.5);
+  const auto transposed = mask.transpose(2, 3).contiguous().transpose(2, 3);
+  CHECK(computed_key_fraction(transposed, 2, 8, 400, 300) == want);
+  for (const auto dtype : {torch::kUInt8, torch::kInt8, torch::kInt16, torch::kInt32, torch::kInt64, torch::kFloat16,
+                           torch::kBFloat16, torch::kFloat32, torch::kFloat64, torch::kUInt16}) {
+    INFO("dtype " << c10::toString(dtype));
+    CHECK(computed_key_fraction(mask.to(dtype), 2, 8, 400, 300) == want);
+    CHECK(computed_key_fraction(transposed.to(dtype), 2, 8, 400, 300) == want);
+    // Values other than 0 and 1 attend as well.
+    CHECK(computed_key_fraction((mask.to(torch::kInt64) * 7).to(dtype), 2, 8, 400, 300) == want);
+  }
+  // NaN is nonzero: it attends, as the kernels read it.
+  const auto nan_mask = torch::where(mask, std::numeric_limits<float>::quiet_NaN(), 0.0f);
+  CHECK(computed_key_fraction(nan_mask, 2, 8, 400, 300) == want);
 }
 
 TEST_CASE("a run bridges gaps under 32 keys and splits off visible prefixes of 64 keys or more", "[key_span]") {

@@ -1,6 +1,7 @@
 #include "ops/cpu/key_span.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -65,6 +66,29 @@ bool any_hidden(const bool* row, int64_t stride, int64_t n) {
     if (!row[j * stride]) return true;
   }
   return false;
+}
+
+// The rows x len_k entries of a mask sample (rows, len_k) as bool in `out` (row stride len_k): nonzero, NaN too,
+// attends. A plain loop for the usual dtypes: an ATen op per sample costs more than the sample's reads.
+void sample_as_bool(const at::Tensor& sample, std::vector<uint8_t>& out) {
+  const int64_t rows = sample.size(0), len_k = sample.size(1), row = sample.stride(0), col = sample.stride(1);
+  out.resize(static_cast<size_t>(rows * len_k));
+  const auto dtype = sample.scalar_type();
+  const auto usual = {at::kByte, at::kChar,     at::kShort, at::kInt,   at::kLong,
+                      at::kHalf, at::kBFloat16, at::kFloat, at::kDouble};
+  if (std::find(usual.begin(), usual.end(), dtype) == usual.end()) {
+    const at::Tensor converted = sample.ne(0).contiguous();
+    std::memcpy(out.data(), converted.const_data_ptr<bool>(), out.size());
+    return;
+  }
+  AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "mask_sample", [&] {
+    const scalar_t* data = sample.const_data_ptr<scalar_t>();
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t j = 0; j < len_k; ++j) {
+        out[r * len_k + j] = static_cast<uint8_t>(data[r * row + j * col] != scalar_t(0));
+      }
+    }
+  });
 }
 
 }  // namespace
@@ -149,20 +173,25 @@ double computed_key_fraction(const at::Tensor& mask, int64_t batch, int64_t head
   const int64_t slices = std::min(bs * hs, kSlices), chunks = (len_q + kRows - 1) / kRows;
   const int64_t sampled_chunks = std::min(chunks, kChunks);
   double computed = 0, total = 0;
+  std::vector<uint8_t> converted;
   for (int64_t s = 0; s < slices; ++s) {
     const int64_t slice = slices == 1 ? 0 : s * (bs * hs - 1) / (slices - 1);
     for (int64_t c = 0; c < sampled_chunks; ++c) {
       const int64_t chunk = sampled_chunks == 1 ? chunks - 1 : c * (chunks - 1) / (sampled_chunks - 1);
       const int64_t row0 = chunk * kRows, rows = std::min(kRows, len_q - row0);
       // Only the sampled rows of a mask that is not bool are converted.
-      auto sample = view.select(0, slice / hs).select(0, slice % hs).narrow(0, row0, rows);
-      if (sample.scalar_type() != at::kBool) {
-        sample = sample.ne(0);
+      const auto sample = view.select(0, slice / hs).select(0, slice % hs).narrow(0, row0, rows);
+      const bool* first = sample.scalar_type() == at::kBool ? sample.const_data_ptr<bool>() : nullptr;
+      int64_t row_stride = sample.stride(0), col_stride = sample.stride(1);
+      if (first == nullptr) {
+        sample_as_bool(sample, converted);
+        first = reinterpret_cast<const bool*>(converted.data());
+        row_stride = len_k;
+        col_stride = 1;
       }
-      const bool* first = sample.const_data_ptr<bool>();
       int64_t keys = 0;
       for (int64_t lo = 0; lo < len_k;) {
-        const KeyBlock run = next_visible_block(first, sample.stride(0), sample.stride(1), rows, lo, len_k, kBlock);
+        const KeyBlock run = next_visible_block(first, row_stride, col_stride, rows, lo, len_k, kBlock);
         keys += run.hi - run.lo;
         lo = run.hi;
       }
