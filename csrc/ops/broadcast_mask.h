@@ -8,6 +8,17 @@
 
 namespace fastmha {
 
+// The mask as bool (nonzero, NaN too, attends), converted once where a caller passes it to several ops (a forward
+// and its backward): each kernel would otherwise convert it again. Left as it is where it is no valid mask (a
+// complex dtype, another device), for the checks to name.
+inline std::optional<at::Tensor> as_bool_mask(const std::optional<at::Tensor>& mask, const at::Tensor& query) {
+  if (!mask.has_value() || !mask->defined() || mask->scalar_type() == at::kBool ||
+      at::isComplexType(mask->scalar_type()) || mask->device() != query.device()) {
+    return mask;
+  }
+  return mask->ne(0);
+}
+
 inline at::Tensor broadcast_mask(const std::optional<at::Tensor>& mask, const at::Tensor& query,
                                  const at::Tensor& key) {
   if (!mask.has_value()) {

@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "ops/attention_ops.h"
+#include "ops/broadcast_mask.h"
 
 namespace fastmha {
 namespace {
@@ -12,9 +13,11 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& query,
                                                 const at::Tensor& key, const at::Tensor& value,
-                                                const std::optional<at::Tensor>& mask, double dropout_p,
+                                                const std::optional<at::Tensor>& user_mask, double dropout_p,
                                                 bool need_weights, bool is_causal) {
     at::AutoDispatchBelowADInplaceOrView guard;
+    // The forward and the backward read the same mask: converted to bool once, and saved in that form.
+    const std::optional<at::Tensor> mask = as_bool_mask(user_mask, query);
     auto [output, weights, logsumexp, rng_state] =
         detail::attention_forward(query, key, value, mask, dropout_p, need_weights, is_causal);
     ctx->save_for_backward({query, key, value, mask.value_or(at::Tensor()), output, logsumexp, rng_state});

@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "ops/attention_ops.h"
+#include "ops/broadcast_mask.h"
 
 namespace fastmha {
 namespace {
@@ -13,9 +14,11 @@ class MultiHeadAttentionFunction : public torch::autograd::Function<MultiHeadAtt
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& query,
                                                 const at::Tensor& key, const at::Tensor& value, const at::Tensor& w_q,
                                                 const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o,
-                                                int64_t num_heads, const std::optional<at::Tensor>& mask,
+                                                int64_t num_heads, const std::optional<at::Tensor>& user_mask,
                                                 double dropout_p, bool need_weights, bool is_causal) {
     at::AutoDispatchBelowADInplaceOrView guard;
+    // The forward and the backward read the same mask: converted to bool once, and saved in that form.
+    const std::optional<at::Tensor> mask = as_bool_mask(user_mask, query);
     auto [output, weights, query_proj, key_proj, value_proj, context, logsumexp, rng_state] =
         detail::multi_head_attention_forward(query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p,
                                              need_weights, is_causal);
