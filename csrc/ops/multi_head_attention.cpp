@@ -11,6 +11,7 @@
 #include <fastmha/ops.h>
 
 #include "ops/attention_ops.h"
+#include "ops/broadcast_mask.h"
 #include "ops/checks.h"
 #include "ops/heads.h"
 #include "ops/projection_backward.h"
@@ -64,8 +65,10 @@ namespace {
 detail::MultiHeadAttentionForwardResult multi_head_attention_forward_kernel(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& w_q,
     const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o, int64_t num_heads,
-    const std::optional<at::Tensor>& mask, double dropout_p, bool need_weights, bool is_causal) {
-  check_block_inputs(query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p);
+    const std::optional<at::Tensor>& user_mask, double dropout_p, bool need_weights, bool is_causal) {
+  check_block_inputs(query, key, value, w_q, w_k, w_v, w_o, num_heads, user_mask, dropout_p);
+  // Read by split_key_rows and by one or two attention calls: converted to bool once.
+  const std::optional<at::Tensor> mask = as_bool_mask(user_mask, query);
   auto query_proj = at::linear(query, w_q);
   at::Tensor key_proj, value_proj;
   auto attend = [&] {

@@ -1,0 +1,72 @@
+"""A mask of any real dtype means `mask != 0` (NaN included): the attention op and the block convert it to bool
+once for the forward and the backward. Outputs, weights and gradients must be bitwise those of the bool mask
+`mask != 0` (the bool path itself is checked against the oracle elsewhere), with the same dropout, and the
+user's mask must come back unchanged."""
+
+import pytest
+import torch
+
+import fastmha
+
+B, H, L, D_MODEL = 2, 2, 37, 16
+MASK_DTYPES = [torch.int64, torch.int32, torch.uint8, torch.int8, torch.float32, torch.float64, torch.float16,
+               torch.bfloat16]
+
+
+def padded_causal_values(dtype):
+    """A (B, 1, L, L) padding & causal mask of values 0 and other nonzeros (negative, fractional, NaN)."""
+    keep = (torch.arange(L) < torch.tensor([30, 9])[:, None])[:, None, None, :] & torch.ones(L, L).tril().bool()
+    if dtype.is_floating_point:
+        values = torch.tensor([1.0, -2.5, 0.25, float("nan")], dtype=dtype)
+    else:
+        values = torch.tensor([1, 3, 7, 1], dtype=dtype)
+    filled = values[torch.arange(L * L).reshape(L, L) % 4].expand(B, 1, L, L)
+    return torch.where(keep, filled, torch.zeros((), dtype=dtype))
+
+
+def run_core(mask, grad_enabled):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, L, 8, dtype=torch.float64, requires_grad=grad_enabled) for _ in range(3))
+    torch.manual_seed(1)
+    with torch.set_grad_enabled(grad_enabled):
+        out, weights = torch.ops.fastmha.attention(q, k, v, mask, 0.2, True, False)
+        if not grad_enabled:
+            return out, weights
+        grads = torch.autograd.grad((out * out).sum() + weights.sum(), (q, k, v))
+    return out, weights, *grads
+
+
+def run_block(mask, grad_enabled):
+    torch.manual_seed(0)
+    block = fastmha.MultiHeadAttentionBlock(D_MODEL, H, 0.2).double()
+    x = torch.randn(B, L, D_MODEL, dtype=torch.float64, requires_grad=grad_enabled)
+    torch.manual_seed(1)
+    with torch.set_grad_enabled(grad_enabled):
+        out = block(x, x, x, mask)
+        if not grad_enabled:
+            return out, block.attention_scores
+        grads = torch.autograd.grad(out.square().sum(), (x, *block.parameters()))
+    return out, block.attention_scores, *grads
+
+
+@pytest.mark.parametrize("grad_enabled", [True, False], ids=["training", "no grad"])
+@pytest.mark.parametrize("run", [run_core, run_block], ids=["attention op", "block"])
+@pytest.mark.parametrize("dtype", MASK_DTYPES, ids=str)
+def test_a_mask_of_any_dtype_is_its_nonzeros(dtype, run, grad_enabled):
+    mask = padded_causal_values(dtype)
+    before = mask.clone()
+    version = mask._version
+    got = run(mask, grad_enabled)
+    want = run(mask != 0, grad_enabled)
+    for g, w in zip(got, want):
+        assert torch.equal(g.isnan(), w.isnan())
+        assert torch.equal(g.nan_to_num(), w.nan_to_num())
+    assert mask.dtype == dtype and mask._version == version
+    assert torch.equal(mask.isnan(), before.isnan()) and torch.equal(mask.nan_to_num(), before.nan_to_num())
+
+
+@pytest.mark.parametrize("run", [run_core, run_block], ids=["attention op", "block"])
+def test_a_complex_mask_is_refused_by_name_and_dtype(run):
+    mask = torch.ones(B, 1, 1, L, dtype=torch.complex64)
+    with pytest.raises(RuntimeError, match=r"mask must be a real or bool tensor, got .*ComplexFloat"):
+        run(mask, True)
