@@ -8,15 +8,26 @@
 
 namespace fastmha {
 
-// The mask as bool (nonzero, NaN too, attends), converted once where a caller passes it to several ops (a forward
-// and its backward): each kernel would otherwise convert it again. Left as it is where it is no valid mask (a
-// complex dtype, another device), for the checks to name.
+// The mask as bool (nonzero, NaN too, attends), converted once where several ops read it (the block's forward
+// reads it for its unseen keys and in one or two attention calls): each would otherwise convert it again. Left as
+// it is where it is no valid mask (a complex dtype, another device), for the checks to name.
 inline std::optional<at::Tensor> as_bool_mask(const std::optional<at::Tensor>& mask, const at::Tensor& query) {
   if (!mask.has_value() || !mask->defined() || mask->scalar_type() == at::kBool ||
       at::isComplexType(mask->scalar_type()) || mask->device() != query.device()) {
     return mask;
   }
-  return mask->ne(0);
+  return mask->to(at::kBool);
+}
+
+// What an autograd function passes to its forward and saves for its backward: the mask as bool when that copy is
+// small (1 MiB at most; the backward then reads it without converting it again), otherwise the user's mask itself,
+// so that a large mask that many layers share is not copied once per layer.
+inline std::optional<at::Tensor> mask_to_save(const std::optional<at::Tensor>& mask, const at::Tensor& query) {
+  constexpr int64_t kMaxBoolElements = int64_t{1} << 20;
+  if (!mask.has_value() || !mask->defined() || !TORCH_GUARD_OR_FALSE(mask->sym_numel().sym_le(kMaxBoolElements))) {
+    return mask;
+  }
+  return as_bool_mask(mask, query);
 }
 
 inline at::Tensor broadcast_mask(const std::optional<at::Tensor>& mask, const at::Tensor& query,

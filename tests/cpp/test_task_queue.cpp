@@ -5,8 +5,11 @@
 #include <catch2/catch.hpp>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <mutex>
+#include <set>
+#include <thread>
 #include <vector>
 
 #include "ops/cpu/task_queue.h"
@@ -46,6 +49,23 @@ TEST_CASE("every task runs exactly once", "[task_queue]") {
   }
 }
 
+TEST_CASE("with two threads or more, tasks run on more than one thread", "[task_queue]") {
+  if (at::get_num_threads() < 2) {
+    WARN("one intra-op thread: nothing to check");
+    return;
+  }
+  std::mutex lock;
+  std::set<std::thread::id> threads;
+  fastmha::cpu::for_each_task(64, 1, [&](const auto& claim) {
+    for (int64_t begin, end; claim(begin, end);) {
+      std::this_thread::sleep_for(std::chrono::microseconds(500));
+      std::lock_guard<std::mutex> guard(lock);
+      threads.insert(std::this_thread::get_id());
+    }
+  });
+  CHECK(threads.size() > 1);
+}
+
 TEST_CASE("inside a parallel region the calling thread runs every task", "[task_queue]") {
   std::mutex lock;
   std::vector<std::vector<int>> results;
@@ -60,11 +80,15 @@ TEST_CASE("inside a parallel region the calling thread runs every task", "[task_
   for (const auto& counts : results) CHECK(counts == std::vector<int>(100, 1));
 }
 
-TEST_CASE("an exception in a task reaches the caller", "[task_queue]") {
-  auto throwing = [](const auto& claim) {
+TEST_CASE("an exception in a task reaches the caller, and the other threads stop claiming", "[task_queue]") {
+  std::atomic<int64_t> ran{0};
+  auto throwing = [&](const auto& claim) {
     for (int64_t begin, end; claim(begin, end);) {
-      if (begin >= 10) throw std::runtime_error("task failed");
+      if (begin == 10) throw std::runtime_error("task failed");
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+      ++ran;
     }
   };
-  CHECK_THROWS_WITH(fastmha::cpu::for_each_task(100, 1, throwing), "task failed");
+  CHECK_THROWS_WITH(fastmha::cpu::for_each_task(1000, 1, throwing), "task failed");
+  CHECK(ran.load() < 500);  // about 10: the queue was emptied
 }

@@ -70,3 +70,37 @@ def test_a_complex_mask_is_refused_by_name_and_dtype(run):
     mask = torch.ones(B, 1, 1, L, dtype=torch.complex64)
     with pytest.raises(RuntimeError, match=r"mask must be a real or bool tensor, got .*ComplexFloat"):
         run(mask, True)
+
+
+def saved_tensors_of(call):
+    """The tensors autograd saves for the backward during call()."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        call()
+    return saved
+
+
+@pytest.mark.parametrize("op", ["attention op", "block"])
+@pytest.mark.parametrize("length, converted", [(40, True), (1100, False)], ids=["small", "large"])
+def test_a_small_mask_is_saved_as_bool_and_a_large_one_as_passed(op, length, converted):
+    # Bool, the backward reads a small mask without converting it again; a large one (over 2**20 elements) is
+    # saved as the user's tensor, so that many layers sharing it hold no copy each.
+    mask = (torch.rand(1, 1, length, length) > 0.2).to(torch.int64)
+    if op == "attention op":
+        q, k, v = (torch.randn(1, 1, length, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+        saved = saved_tensors_of(lambda: torch.ops.fastmha.attention(q, k, v, mask, 0.0, False, False))
+    else:
+        block = fastmha.MultiHeadAttentionBlock(8, 2, 0.0).double()
+        x = torch.randn(1, length, 8, dtype=torch.float64, requires_grad=True)
+        saved = saved_tensors_of(lambda: block(x, x, x, mask))
+    masks = [t for t in saved if t.shape == mask.shape]
+    assert len(masks) == 1
+    if converted:
+        assert masks[0].dtype == torch.bool and torch.equal(masks[0], mask != 0)
+    else:
+        assert masks[0] is mask or masks[0].data_ptr() == mask.data_ptr()

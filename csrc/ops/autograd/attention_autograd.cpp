@@ -16,8 +16,8 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                                                 const std::optional<at::Tensor>& user_mask, double dropout_p,
                                                 bool need_weights, bool is_causal) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    // The forward and the backward read the same mask: converted to bool once, and saved in that form.
-    const std::optional<at::Tensor> mask = as_bool_mask(user_mask, query);
+    // The forward and the backward read the same mask: a small one is converted to bool once, for both.
+    const std::optional<at::Tensor> mask = mask_to_save(user_mask, query);
     auto [output, weights, logsumexp, rng_state] =
         detail::attention_forward(query, key, value, mask, dropout_p, need_weights, is_causal);
     ctx->save_for_backward({query, key, value, mask.value_or(at::Tensor()), output, logsumexp, rng_state});

@@ -17,8 +17,8 @@ class MultiHeadAttentionFunction : public torch::autograd::Function<MultiHeadAtt
                                                 int64_t num_heads, const std::optional<at::Tensor>& user_mask,
                                                 double dropout_p, bool need_weights, bool is_causal) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    // The forward and the backward read the same mask: converted to bool once, and saved in that form.
-    const std::optional<at::Tensor> mask = as_bool_mask(user_mask, query);
+    // The forward and the backward read the same mask: a small one is converted to bool once, for both.
+    const std::optional<at::Tensor> mask = mask_to_save(user_mask, query);
     auto [output, weights, query_proj, key_proj, value_proj, context, logsumexp, rng_state] =
         detail::multi_head_attention_forward(query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p,
                                              need_weights, is_causal);

@@ -177,7 +177,8 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
   const auto q = kernel_operand(query, acc), k = kernel_operand(key, acc), v = kernel_operand(value, acc);
   const auto half_mode = cpu::half_gemm_mode();
   const bool half = cpu::multiplies_in_half_type(dtype, half_mode);
-  // The half-type operands of the products; the widened ones still serve the scans for non-finite keys.
+  // The half-type operands of the products. Of the widened ones the forward then reads only v (its scan for
+  // non-finite values); q and k are widened all the same, a cost of this path left as it is.
   const HalfInputs half_inputs(query, key, value, half);
   const auto mask_view = broadcast_mask(mask, query, key);
   const auto* state = rng_state.const_data_ptr<int64_t>();
