@@ -66,17 +66,21 @@ int64_t key_block_size(Pass pass, int64_t len_q, int64_t heads_total, int64_t d_
   return cpu::forward_key_block(cpu::l2_cache_bytes(), d_k, d_v, element_bytes);
 }
 
+// The kernels' inputs. q/k/v in a half type (with T = float) are left to the forward's tasks to widen
+// (in.half_source, set by the caller): no pointers, rows of d_k and d_v in the tasks' buffers.
 template <typename T>
 cpu::AttentionInputs<T> kernel_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       const at::Tensor& mask, double dropout_p, bool is_causal, uint64_t seed,
                                       uint64_t offset, Pass pass) {
   cpu::AttentionInputs<T> in{};
-  in.q = q.const_data_ptr<T>();
-  in.k = k.const_data_ptr<T>();
-  in.v = v.const_data_ptr<T>();
-  in.q_stride = strides3(q);
-  in.k_stride = strides3(k);
-  in.v_stride = strides3(v);
+  const bool typed = q.scalar_type() == c10::CppTypeToScalarType<T>::value;
+  auto operand = [typed](const at::Tensor& t, const T*& data, cpu::Strides3& stride) {
+    data = typed ? t.const_data_ptr<T>() : nullptr;
+    stride = typed ? strides3(t) : cpu::Strides3{0, 0, t.size(3)};
+  };
+  operand(q, in.q, in.q_stride);
+  operand(k, in.k, in.k_stride);
+  operand(v, in.v, in.v_stride);
   in.batch = q.size(0);
   in.heads = q.size(1);
   in.len_q = q.size(2);
@@ -169,27 +173,38 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
   const auto acc = at::toOpMathType(dtype);
   const int64_t batch = query.size(0), heads = query.size(1), len_q = query.size(2), len_k = key.size(2);
   const auto acc_options = query.options().dtype(acc);
-  auto output = empty_output({batch, heads, len_q, value.size(3)}, query, acc_options);
+  const auto half_mode = cpu::half_gemm_mode();
+  const bool half = cpu::multiplies_in_half_type(dtype, half_mode);
+  // Half types whose products are widened: the tasks widen q/k/v a head at a time and round their output rows
+  // (ops/cpu/widened_rows.h), rather than whole fp32 copies going through memory.
+  const bool widen_in_tasks = dtype != acc && !half;
+  auto output =
+      empty_output({batch, heads, len_q, value.size(3)}, query, widen_in_tasks ? query.options() : acc_options);
   auto weights =
       need_weights ? cpu::empty_large({batch, heads, len_q, len_k}, acc_options) : at::empty({0}, acc_options);
   auto logsumexp = at::empty({batch, heads, len_q}, acc_options);
   auto rng_state = dropout_p > 0 ? draw_rng_state() : at::zeros({2}, at::kLong);
-  const auto q = kernel_operand(query, acc), k = kernel_operand(key, acc), v = kernel_operand(value, acc);
-  const auto half_mode = cpu::half_gemm_mode();
-  const bool half = cpu::multiplies_in_half_type(dtype, half_mode);
-  // The half-type operands of the products. Of the widened ones the forward then reads only v (its scan for
-  // non-finite values); q and k are widened all the same, a cost of this path left as it is.
-  const HalfInputs half_inputs(query, key, value, half);
+  // The half-type operands: of the products, or of the tasks' widening. With half-type products the forward
+  // also gets widened ones, of which it reads only v (its scan for non-finite values); q and k are widened all
+  // the same, a cost of that path left as it is.
+  const HalfInputs half_inputs(query, key, value, half || widen_in_tasks);
+  const auto operand = [&](const at::Tensor& half_type, const at::Tensor& x) {
+    return widen_in_tasks ? half_type : kernel_operand(x, acc);
+  };
+  const auto q = operand(half_inputs.q, query), k = operand(half_inputs.k, key), v = operand(half_inputs.v, value);
   const auto mask_view = broadcast_mask(mask, query, key);
   const auto* state = rng_state.const_data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES(acc, "fastmha_cpu_attention_forward", [&] {
     auto in = kernel_inputs<scalar_t>(q, k, v, mask_view, dropout_p, is_causal, state[0], state[1], Pass::kForward);
+    cpu::AttentionForwardOutputs<scalar_t> out{widen_in_tasks ? nullptr : output.data_ptr<scalar_t>(),
+                                               need_weights ? weights.data_ptr<scalar_t>() : nullptr,
+                                               logsumexp.data_ptr<scalar_t>(), strides3(output)};
     if (half) {
       in.half = half_inputs.view(half_mode == cpu::HalfGemmMode::kNative);
+    } else if (widen_in_tasks) {
+      in.half_source = half_inputs.view(false);
+      out.half_out = static_cast<uint16_t*>(output.data_ptr());
     }
-    const cpu::AttentionForwardOutputs<scalar_t> out{output.data_ptr<scalar_t>(),
-                                                     need_weights ? weights.data_ptr<scalar_t>() : nullptr,
-                                                     logsumexp.data_ptr<scalar_t>(), strides3(output)};
     run_forward(in, out);
   });
   return {output.to(dtype), weights.to(dtype), logsumexp, rng_state};

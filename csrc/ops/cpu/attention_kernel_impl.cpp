@@ -34,6 +34,7 @@
 #include "ops/cpu/philox_batch.h"
 #include "ops/cpu/task_queue.h"
 #include "ops/cpu/weights_row.h"
+#include "ops/cpu/widened_rows.h"
 #include "ops/masked_score.h"
 #include "ops/philox.h"
 
@@ -64,8 +65,9 @@ template <typename T>
 Head<T> head_pointers(const AttentionInputs<T>& in, int64_t bh) {
   const int64_t b = bh / in.heads, h = bh % in.heads;
   const bool* mask = in.mask ? in.mask + b * in.mask_stride[0] + h * in.mask_stride[1] : nullptr;
-  Head<T> head{head_row(in.q, in.q_stride, in.heads, bh, 0), head_row(in.k, in.k_stride, in.heads, bh, 0),
-               head_row(in.v, in.v_stride, in.heads, bh, 0), mask};
+  // No q/k/v pointers when the forward widens them per task (in.half_source; forward_chunk gives them).
+  auto rows = [&](const T* base, const Strides3& s) { return base ? head_row(base, s, in.heads, bh, 0) : nullptr; };
+  Head<T> head{rows(in.q, in.q_stride), rows(in.k, in.k_stride), rows(in.v, in.v_stride), mask};
   if (const HalfOperands& half = in.half; half.q != nullptr) {
     head.half_q = head_row(half.q, half.q_stride, in.heads, bh, 0);
     head.half_k = head_row(half.k, half.k_stride, in.heads, bh, 0);
@@ -87,15 +89,6 @@ struct HalfScratch {
 inline HalfScratch& half_scratch() {
   thread_local HalfScratch scratch;
   return scratch;
-}
-
-// n fp32 values rounded to the half type `kind` (its bits), with vector conversions.
-inline void round_to_half(HalfKind kind, const float* src, uint16_t* dst, int64_t n) {
-  if (kind == HalfKind::kBFloat16) {
-    at::vec::convert(src, reinterpret_cast<at::BFloat16*>(dst), n);
-  } else {
-    at::vec::convert(src, reinterpret_cast<at::Half*>(dst), n);
-  }
 }
 
 // Rows of fp32 (row stride ld, n elements each) rounded to the half type as a left operand (half_gemm.h).
@@ -713,9 +706,18 @@ struct ForwardChunk {
 };
 
 template <typename T>
-ForwardChunk<T> forward_chunk(const AttentionInputs<T>& in, int64_t task, int64_t chunks, int64_t chunk) {
+ForwardChunk<T> forward_chunk(const AttentionInputs<T>& in, int64_t task, int64_t chunks, int64_t chunk,
+                              WidenedHead<T>& widened) {
   const int64_t bh = task / chunks, row0 = (task % chunks) * chunk;
-  return {bh, row0, std::min(chunk, in.len_q - row0), bh * in.len_q + row0, head_pointers(in, bh)};
+  const int64_t rows = std::min(chunk, in.len_q - row0);
+  Head<T> head = head_pointers(in, bh);
+  if (in.half_source.q != nullptr) {
+    const auto own = widened.rows_of(in, bh, row0, rows);
+    head.q = own.q;
+    head.k = own.k;
+    head.v = own.v;
+  }
+  return {bh, row0, rows, bh * in.len_q + row0, head};
 }
 
 // Forward tasks handed out a head's chunks at a time (its keys and values, and the scan of them for
@@ -738,11 +740,13 @@ void online_forward(const AttentionInputs<T>& in, const AttentionForwardOutputs<
     buf.max.resize(chunk);
     buf.sum.resize(chunk);
     NonFiniteKeys<T> non_finite(false);
+    WidenedHead<T> widened;
+    OutputRows<T> output(in, out, chunk);
     for (int64_t begin, end; claim(begin, end);) {
       for (int64_t task = begin; task < end; ++task) {
-        const auto [bh, row0, rows, first_row, head] = forward_chunk(in, task, chunks, chunk);
-        T* const out_rows = head_row(out.out, out.out_stride, in.heads, bh, row0);
-        const int64_t out_ld = out.out_stride.row;
+        const auto [bh, row0, rows, first_row, head] = forward_chunk(in, task, chunks, chunk, widened);
+        T* const out_rows = output.rows(bh, row0);
+        const int64_t out_ld = output.ld();
         const KeySpan span = chunk_span(in, head, bh, row0, rows, non_finite, false);
         // A zero weight times a NaN or infinite value is NaN: no key is skipped inside the span of such a head.
         // Nor in a chunk with a row that sees no key (uniform over all keys: skipping would only cost a redo).
@@ -751,6 +755,7 @@ void online_forward(const AttentionInputs<T>& in, const AttentionForwardOutputs<
           online_chunk(in, head, row0, rows, first_row, KeySpan{0, in.len_k, head.mask != nullptr}, false, buf,
                        out_rows, out_ld, out.lse + first_row);
         }
+        output.done(rows);
       }
     }
   });
@@ -759,6 +764,8 @@ void online_forward(const AttentionInputs<T>& in, const AttentionForwardOutputs<
 template <typename T>
 void forward_impl(const AttentionInputs<T>& inputs, const AttentionForwardOutputs<T>& out) {
   std::unique_ptr<uint16_t[]> packed_heads;
+  TORCH_INTERNAL_ASSERT(inputs.half_source.q == nullptr || (inputs.half.q == nullptr && std::is_same_v<T, float>),
+                        "the tasks widen half-type operands only for products in float");
   const AttentionInputs<T> in = with_packed_heads(inputs, false, packed_heads);
   if (out.weights == nullptr) {
     return online_forward(in, out);
@@ -777,15 +784,17 @@ void forward_impl(const AttentionInputs<T>& inputs, const AttentionForwardOutput
     // are then written out once, normalized, and the buffer stays in cache for the GEMM with V.
     std::vector<T> buffer(chunk * ld), inv_sum(chunk), keep(in.dropout_p > 0 ? chunk * ld : 0);
     NonFiniteKeys<T> non_finite(false);
+    WidenedHead<T> widened;
+    OutputRows<T> output(in, out, chunk);
     std::vector<uint32_t> words;
     for (int64_t begin, end; claim(begin, end);) {
       for (int64_t task = begin; task < end; ++task) {
-        const auto [bh, row0, rows, first_row, head] = forward_chunk(in, task, chunks, chunk);
+        const auto [bh, row0, rows, first_row, head] = forward_chunk(in, task, chunks, chunk, widened);
         const KeySpan span = scores_for_chunk(in, head, bh, row0, rows, buffer.data(), non_finite);
         const int64_t n = span.size(), score_ld = packed_ld(span);
         T* const first = buffer.data();
-        T* out_rows = head_row(out.out, out.out_stride, in.heads, bh, row0);
-        const int64_t out_ld = out.out_stride.row;
+        T* out_rows = output.rows(bh, row0);
+        const int64_t out_ld = output.ld();
         if (in.dropout_p > 0) {
           fill_chunk_keep(in, first_row, rows, span, words, keep.data());
         }
@@ -805,6 +814,7 @@ void forward_impl(const AttentionInputs<T>& inputs, const AttentionForwardOutput
         for (int64_t r = 0; r < rows; ++r) {  // normalize d_v outputs per row instead of Lk weights
           scale_row(out_rows + r * out_ld, in.d_v, n > 0 ? inv_sum[r] : T(0));
         }
+        output.done(rows);
       }
     }
     fence_streamed_stores();

@@ -1,7 +1,7 @@
 // What the fused CPU attention kernels read and write. Tensors arrive in the accumulation type T (float or
-// double; half types are widened by the caller, and may also come as they are, HalfOperands); q/k/v and the
-// (B, H, L, d) outputs and gradients have rows of unit stride and any other strides (Strides3); the mask is a bool
-// view broadcast to (B, H, Lq, Lk) through its strides (zeros where broadcast).
+// double; half types are widened by the caller or by the forward's tasks, and may also come as they are,
+// HalfOperands); q/k/v and the (B, H, L, d) outputs and gradients have rows of unit stride and any other strides
+// (Strides3); the mask is a bool view broadcast to (B, H, Lq, Lk) through its strides (zeros where broadcast).
 #pragma once
 
 #include <algorithm>
@@ -51,6 +51,9 @@ struct AttentionInputs {
   uint64_t seed, offset;  // Philox stream of this call's dropout
   int64_t key_block;      // keys per block of the online-softmax forward and the blocked backward (> 0)
   HalfOperands half;      // T = float only
+  // q/k/v in their half type when the forward widens them itself, a head at a time into each task's buffers
+  // (widened_rows.h): q, k and v above are then nullptr, their row strides d_k and d_v. T = float only.
+  HalfOperands half_source;
 };
 
 template <typename T>
@@ -59,6 +62,9 @@ struct AttentionForwardOutputs {
   T* weights;           // (B, H, Lq, Lk) contiguous, or nullptr when the weights are not kept
   T* lse;               // (B, H, Lq) log-sum-exp of the masked, scaled scores
   Strides3 out_stride;  // of out
+  // The output in the half type of in.half_source (out_stride), rounded from each task's T rows; out is then
+  // nullptr. T = float only.
+  uint16_t* half_out = nullptr;
 };
 
 // dK or dV as the backward's tasks write them: per split of a head's query chunks, partial sums that the caller

@@ -1,0 +1,133 @@
+// Half-type operands widened to fp32 by the forward's tasks themselves, and their fp32 output rows rounded back.
+// A task widens the keys and values of the head it works on once, and the rows of each query chunk, into its own
+// buffers, where they stay in cache for the products; its output rows are rounded into the half-type output as
+// each chunk ends. Widening the whole tensors first instead sends every operand and the output through memory
+// once more in fp32, which is a large part of a forward whose products are small (a padded batch).
+// Included by each per-ISA compile of the kernels (CPU_CAPABILITY).
+#pragma once
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "ops/cpu/attention_params.h"
+
+namespace fastmha::cpu {
+namespace CPU_CAPABILITY {
+
+// n fp32 values rounded to the half type `kind` (its bits), with vector conversions.
+inline void round_to_half(HalfKind kind, const float* src, uint16_t* dst, int64_t n) {
+  if (kind == HalfKind::kBFloat16) {
+    at::vec::convert(src, reinterpret_cast<at::BFloat16*>(dst), n);
+  } else {
+    at::vec::convert(src, reinterpret_cast<at::Half*>(dst), n);
+  }
+}
+
+template <typename H>
+void widen_values(const H* src, float* dst, int64_t n) {
+  using VecH = at::vec::Vectorized<H>;
+  using VecF = at::vec::Vectorized<float>;
+  int64_t j = 0;
+  for (; j + VecH::size() <= n; j += VecH::size()) {
+    const auto [lo, hi] = at::vec::convert_to_float<H>(VecH::loadu(src + j));
+    lo.store(dst + j);
+    hi.store(dst + j + VecF::size());
+  }
+  for (; j < n; ++j) dst[j] = static_cast<float>(src[j]);
+}
+
+// `rows` rows of n half-type values (bits, row stride ld) widened to fp32 rows of n values each, back to back.
+inline void widen_rows(HalfKind kind, const uint16_t* src, int64_t ld, int64_t rows, int64_t n, float* dst) {
+  if (ld == n) {  // one run
+    n *= rows;
+    rows = 1;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    if (kind == HalfKind::kBFloat16) {
+      widen_values(reinterpret_cast<const at::BFloat16*>(src + r * ld), dst + r * n, n);
+    } else {
+      widen_values(reinterpret_cast<const at::Half*>(src + r * ld), dst + r * n, n);
+    }
+  }
+}
+
+// One task's q, k and v in T when the forward widens them itself (in.half_source): the keys and values of one
+// head at a time, widened when the task moves to another head, and the query rows of its current chunk, in place
+// of the rows of a head's whole queries (row stride d_k, d_k and d_v as in.q_stride etc. say).
+template <typename T>
+class WidenedHead {
+ public:
+  struct Rows {
+    const T* q;
+    const T* k;
+    const T* v;
+  };
+
+  // Head bh's rows, with queries row0 .. row0 + rows widened.
+  Rows rows_of(const AttentionInputs<T>& in, int64_t bh, int64_t row0, int64_t rows) {
+    if constexpr (std::is_same_v<T, float>) {
+      const HalfOperands& src = in.half_source;
+      if (bh != bh_) {
+        k_.resize(static_cast<size_t>(in.len_k * in.d_k));
+        v_.resize(static_cast<size_t>(in.len_k * in.d_v));
+        q_.resize(static_cast<size_t>(in.len_q * in.d_k));
+        widen_rows(src.kind, head_row(src.k, src.k_stride, in.heads, bh, 0), src.k_stride.row, in.len_k, in.d_k,
+                   k_.data());
+        widen_rows(src.kind, head_row(src.v, src.v_stride, in.heads, bh, 0), src.v_stride.row, in.len_k, in.d_v,
+                   v_.data());
+        bh_ = bh;
+      }
+      widen_rows(src.kind, head_row(src.q, src.q_stride, in.heads, bh, row0), src.q_stride.row, rows, in.d_k,
+                 q_.data() + row0 * in.d_k);
+    }
+    return {q_.data(), k_.data(), v_.data()};
+  }
+
+ private:
+  std::vector<T> q_, k_, v_;
+  int64_t bh_ = -1;
+};
+
+// Where a task puts a chunk's output rows: straight into the output, or, when that is in a half type
+// (out.half_out), into the task's buffer, rounded into the output by done().
+template <typename T>
+class OutputRows {
+ public:
+  OutputRows(const AttentionInputs<T>& in, const AttentionForwardOutputs<T>& out, int64_t chunk)
+      : in_(in), out_(out), buffer_(out.half_out != nullptr ? static_cast<size_t>(chunk * in.d_v) : 0) {}
+
+  // The rows of head bh from row0 on, with their row stride.
+  T* rows(int64_t bh, int64_t row0) {
+    bh_ = bh;
+    row0_ = row0;
+    return out_.half_out != nullptr ? buffer_.data() : head_row(out_.out, out_.out_stride, in_.heads, bh, row0);
+  }
+  int64_t ld() const { return out_.half_out != nullptr ? in_.d_v : out_.out_stride.row; }
+
+  // The chunk's `count` rows are final.
+  void done(int64_t count) {
+    if constexpr (std::is_same_v<T, float>) {
+      if (out_.half_out != nullptr) {
+        uint16_t* dst = head_row(out_.half_out, out_.out_stride, in_.heads, bh_, row0_);
+        for (int64_t r = 0; r < count; ++r) {
+          round_to_half(in_.half_source.kind, buffer_.data() + r * in_.d_v, dst + r * out_.out_stride.row, in_.d_v);
+        }
+      }
+    }
+  }
+
+ private:
+  const AttentionInputs<T>& in_;
+  const AttentionForwardOutputs<T>& out_;
+  std::vector<T> buffer_;
+  int64_t bh_ = 0, row0_ = 0;
+};
+
+}  // namespace CPU_CAPABILITY
+}  // namespace fastmha::cpu

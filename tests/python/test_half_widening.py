@@ -1,0 +1,118 @@
+"""A bfloat16 or float16 forward whose products run in fp32 widens q, k and v a head at a time in its tasks and
+rounds each chunk's output rows into the half-type output. Each task must read the rows of its own head and chunk
+whatever the layout of the inputs, the threads' order through the heads and the kernel path (online softmax,
+kept weights, a chunk redone over all keys), so outputs are checked against the float64 oracle and, sharper,
+against the float32 kernel on the same values rounded once to the half type.
+"""
+
+import pytest
+import torch
+
+from conftest import assert_close
+from oracle import oracle_attention
+
+OPS = torch.ops.fastmha
+HALF_TYPES = [torch.bfloat16, torch.float16]
+
+
+def make(layout, b, h, length, d, dtype):
+    if layout == "contiguous":
+        return torch.randn(b, h, length, d, dtype=dtype)
+    if layout == "heads interleaved":  # the head split of a (B, L, H * d) projection
+        return torch.randn(b, length, h * d, dtype=dtype).view(b, length, h, d).transpose(1, 2)
+    # every other element of a wider tensor: rows are not of unit stride
+    return torch.randn(b, h, length, 2 * d, dtype=dtype)[..., ::2]
+
+
+def padding_mask(b, len_q, len_k, kept, causal):
+    keys = torch.arange(len_k) < torch.tensor(kept)[:, None]
+    mask = keys[:, None, None, :]
+    if causal:
+        mask = mask & torch.ones(len_q, len_k, dtype=torch.bool).tril()
+    return mask.to(torch.int64)
+
+
+# (B, H, Lq, Lk, d_k, d_v): two heads on two threads take one chunk at a time; 32 heads a head's chunks at a time.
+SHAPES = {"few heads": (1, 2, 300, 260, 16, 24), "many heads": (4, 8, 45, 70, 32, 32)}
+MASKS = ["none", "padding", "padding & causal", "every key hidden for some rows"]
+
+
+def mask_for(kind, b, len_q, len_k):
+    kept = [len_k // 3 + 7 * i for i in range(b)]
+    if kind == "none":
+        return None
+    if kind == "padding":
+        return padding_mask(b, len_q, len_k, kept, False)
+    if kind == "padding & causal":
+        return padding_mask(b, len_q, len_k, kept, True)
+    mask = padding_mask(b, len_q, len_k, kept, True)
+    mask[:, :, ::5] = 0  # rows with no visible key: uniform over all keys, the chunk takes every key
+    return mask
+
+
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+@pytest.mark.parametrize("layout", ["contiguous", "heads interleaved", "strided rows"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("mask_kind", MASKS)
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_widened_in_tasks_matches_the_oracle_and_float32(monkeypatch, dtype, layout, shape, mask_kind, need_weights):
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")  # not torch's flash kernel, which multiplies in the half type
+    b, h, len_q, len_k, d_k, d_v = SHAPES[shape]
+    q, k = make(layout, b, h, len_q, d_k, dtype), make(layout, b, h, len_k, d_k, dtype)
+    v = make(layout, b, h, len_k, d_v, dtype)
+    mask = mask_for(mask_kind, b, len_q, len_k)
+    copies = [t.clone() for t in (q, k, v)]
+    out, weights = OPS.attention(q, k, v, mask, 0.0, need_weights, False)
+    assert out.dtype == dtype and out.shape == (b, h, len_q, d_v)
+    ref_out, ref_weights = oracle_attention(q.double(), k.double(), v.double(), mask)
+    assert_close(out, ref_out, dtype)
+    if need_weights:
+        assert_close(weights, ref_weights, dtype)
+    # The float32 kernel on the same values, rounded once: at most one unit in the last place of the half type.
+    out32, _ = OPS.attention(q.float(), k.float(), v.float(), mask, 0.0, need_weights, False)
+    torch.testing.assert_close(out.float(), out32.to(dtype).float(), atol=1e-6, rtol=2 ** -7 if dtype ==
+                               torch.bfloat16 else 2 ** -10)
+    for t, copy in zip((q, k, v), copies):
+        assert torch.equal(t, copy)
+
+
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+def test_non_finite_value_behind_the_padding_reaches_every_row(dtype):
+    # A NaN value at a padded key: its weight is exactly 0 and 0 * NaN is NaN, so that column of every output row
+    # of the head is NaN in the math; a task must scan its own head's widened values before skipping those keys.
+    b, h, length, d = 2, 4, 64, 16
+    q, k, v = (torch.randn(b, h, length, d, dtype=dtype) for _ in range(3))
+    v[1, 2, 50, 3] = float("nan")
+    mask = padding_mask(b, length, length, [20, 30], False)
+    out, _ = OPS.attention(q, k, v, mask, 0.0, False, False)
+    ref_out, _ = oracle_attention(q.double(), k.double(), v.double(), mask)
+    assert torch.equal(out.isnan(), ref_out.isnan())
+    assert out[1, 2, :, 3].isnan().all() and out.isnan().sum() == length
+    finite = ~ref_out.isnan()
+    assert_close(out[finite], ref_out[finite], dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+@pytest.mark.parametrize("len_q,len_k", [(0, 5), (5, 0)])
+def test_empty_sequences(dtype, len_q, len_k):
+    q, k, v = (torch.randn(2, 3, n, 8, dtype=dtype) for n in (len_q, len_k, len_k))
+    out, _ = OPS.attention(q, k, v, None, 0.0, False, False)
+    ref_out, _ = oracle_attention(q.double(), k.double(), v.double())
+    assert out.shape == (2, 3, len_q, 8) and out.dtype == dtype
+    assert_close(out, ref_out, dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+def test_gradients_after_a_widened_forward(dtype):
+    b, h, length, d = 2, 3, 40, 16
+    q, k, v = (torch.randn(b, h, length, d, dtype=dtype, requires_grad=True) for _ in range(3))
+    mask = padding_mask(b, length, length, [12, 33], True)
+    out, _ = OPS.attention(q, k, v, mask, 0.0, False, False)
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref_out, _ = oracle_attention(q64, k64, v64, mask)
+    ref_grads = torch.autograd.grad(ref_out, (q64, k64, v64), grad.double())
+    assert_close(out, ref_out, dtype)
+    for g, r in zip(grads, ref_grads):
+        assert_close(g, r, dtype)
