@@ -59,7 +59,7 @@ KernelChoice choose_cpu(const AttentionCall& call) {
   // Measured with benchmarks/bench_kernel_choice.py (all kernels interleaved in one run; the results are in
   // benchmarks/results/). Without a mask, fastmha's float32 kernels (keys in cache-sized blocks, an online
   // softmax in the forward) and torch's flash kernel are about even from 128 to 8192 keys, within this
-  // machine's noise; the forward then stays with torch's (except in float16 without native products, below), and
+  // machine's noise; the forward then stays with torch's (except in half types without native products, below), and
   // the backward with fastmha's up to 2048 keys, where it measured faster. In half types fastmha's backward wins
   // unless the processor multiplies them natively (torch's backward then runs on those instructions; without them
   // it is several times slower than ours).
@@ -75,19 +75,22 @@ KernelChoice choose_cpu(const AttentionCall& call) {
                                                        call.query.size(2), call.key.size(2))
                           : 1.0;
   // The largest share of the keys at which skipping the rest pays off: fastmha's kernel against torch's as
-  // measured without a mask (about even in float32 at any length; 0.7-0.8x in half types widened to fp32;
-  // 0.2-0.4x where torch multiplies half types natively).
-  const double own_pays_below = native_half ? 0.2 : half ? 0.65 : 0.75;
+  // measured without a mask (about even in float32 at any length; 0.2-0.4x where torch multiplies half types
+  // natively). Half types without native products take fastmha's kernel at any share.
+  const double own_pays_below = native_half ? 0.2 : 0.75;
   const std::string skipped = "a mask that leaves " + std::to_string(static_cast<int>(span * 100 + 0.5)) +
                               "% of the keys to compute: fastmha's kernel skips the rest";
   if (call.pass == Pass::kForward) {
     if (span <= own_pays_below) {
       return {K::kOwnCpu, skipped};
     }
-    if (dtype == at::kHalf && !native_half) {
-      // fastmha's forward, widened to fp32 for sgemm, measured 1.3-2.1x faster than torch's there at 128-8192
-      // keys, d_k 64 and 128, on Zen 3 (in bfloat16 torch's forward stays ahead).
-      return {K::kOwnCpu, "float16 forward without native float16 products: torch's CPU flash kernel is slower"};
+    if (half && !native_half) {
+      // fastmha's forward, widened to fp32 for sgemm a head at a time in its tasks, measured on Zen 3 against
+      // torch's: float16 1.3-2.1x faster at 128-8192 keys, d_k 64 and 128; bfloat16 1.2-1.6x faster at 128-512
+      // keys and even at 1024-4096.
+      const std::string type = dtype == at::kHalf ? "float16" : "bfloat16";
+      return {K::kOwnCpu,
+              type + " forward without native " + type + " products: torch's CPU flash kernel is as fast or slower"};
     }
     return {K::kStockCpu, "forward without kept weights or dropout: torch's CPU flash kernel is as fast or faster"};
   }
