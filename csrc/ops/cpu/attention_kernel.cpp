@@ -67,15 +67,16 @@ int64_t key_block_size(Pass pass, int64_t len_q, int64_t heads_total, int64_t d_
   return cpu::forward_key_block(cpu::l2_cache_bytes(), d_k, d_v, element_bytes);
 }
 
-// The kernels' inputs. q/k/v in a half type (with T = float) are left to the forward's tasks to widen
-// (in.half_source, set by the caller): no pointers, rows of d_k and d_v in the tasks' buffers.
+// The kernels' inputs. q/k/v in a half type (with T = float) are not read in T (the forward's products take
+// them as they are, in.half) or are left to the forward's tasks to widen (in.half_source), both set by the
+// caller: no pointers, rows of d_k and d_v in the tasks' buffers.
 template <typename T>
 cpu::AttentionInputs<T> kernel_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       const at::Tensor& mask, double dropout_p, bool is_causal, uint64_t seed,
                                       uint64_t offset, Pass pass) {
   cpu::AttentionInputs<T> in{};
-  const bool typed = q.scalar_type() == c10::CppTypeToScalarType<T>::value;
-  auto operand = [typed](const at::Tensor& t, const T*& data, cpu::Strides3& stride) {
+  auto operand = [](const at::Tensor& t, const T*& data, cpu::Strides3& stride) {
+    const bool typed = t.scalar_type() == c10::CppTypeToScalarType<T>::value;
     data = typed ? t.const_data_ptr<T>() : nullptr;
     stride = typed ? strides3(t) : cpu::Strides3{0, 0, t.size(3)};
   };
@@ -100,7 +101,7 @@ cpu::AttentionInputs<T> kernel_inputs(const at::Tensor& q, const at::Tensor& k, 
   return in;
 }
 
-// q/k/v in their half type for the kernels' half-type products (empty when the products are widened).
+// q/k/v in their half type, for the kernels' half-type products or their own widening (empty when not wanted).
 struct HalfInputs {
   at::Tensor q, k, v;
 
@@ -196,35 +197,39 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
   const auto acc_options = query.options().dtype(acc);
   const auto half_mode = cpu::half_gemm_mode();
   const bool half = cpu::multiplies_in_half_type(dtype, half_mode);
-  // Half types whose products are widened: the tasks widen q/k/v a head at a time and round their output rows
-  // (ops/cpu/widened_rows.h), rather than whole fp32 copies going through memory.
-  const bool widen_in_tasks = dtype != acc && !half;
-  auto output =
-      empty_output({batch, heads, len_q, value.size(3)}, query, widen_in_tasks ? query.options() : acc_options);
+  // Half types: the tasks round their output rows into the half-type output, and, when the products are
+  // widened, widen q/k/v a head at a time (ops/cpu/widened_rows.h), rather than whole fp32 copies going through
+  // memory.
+  const bool half_output = dtype != acc;
+  const bool widen_in_tasks = half_output && !half;
+  auto output = empty_output({batch, heads, len_q, value.size(3)}, query, half_output ? query.options() : acc_options);
   auto weights =
       need_weights ? cpu::empty_large({batch, heads, len_q, len_k}, acc_options) : at::empty({0}, acc_options);
   auto logsumexp = at::empty({batch, heads, len_q}, acc_options);
   auto rng_state = dropout_p > 0 ? draw_rng_state() : at::zeros({2}, at::kLong);
   // The half-type operands: of the products, or of the tasks' widening. With half-type products the forward
-  // also gets widened ones, of which it reads only v (its scan for non-finite values); q and k are widened all
-  // the same, a cost of that path left as it is.
-  const HalfInputs half_inputs(query, key, value, half || widen_in_tasks);
-  const auto operand = [&](const at::Tensor& half_type, const at::Tensor& x) {
-    return widen_in_tasks ? half_type : kernel_operand(x, acc);
+  // reads only v widened (its scan for non-finite values).
+  const HalfInputs half_inputs(query, key, value, half_output);
+  const auto operand = [&](const at::Tensor& half_type, const at::Tensor& x, bool widened) {
+    return widened ? kernel_operand(x, acc) : half_type;
   };
-  const auto q = operand(half_inputs.q, query), k = operand(half_inputs.k, key), v = operand(half_inputs.v, value);
+  const auto q = operand(half_inputs.q, query, !half_output), k = operand(half_inputs.k, key, !half_output);
+  const auto v = operand(half_inputs.v, value, !widen_in_tasks);
   const auto mask_view = broadcast_mask(mask, query, key);
   const auto* state = rng_state.const_data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES(acc, "fastmha_cpu_attention_forward", [&] {
     auto in = kernel_inputs<scalar_t>(q, k, v, mask_view, dropout_p, is_causal, state[0], state[1], Pass::kForward);
-    cpu::AttentionForwardOutputs<scalar_t> out{widen_in_tasks ? nullptr : output.data_ptr<scalar_t>(),
+    cpu::AttentionForwardOutputs<scalar_t> out{half_output ? nullptr : output.data_ptr<scalar_t>(),
                                                need_weights ? weights.data_ptr<scalar_t>() : nullptr,
                                                logsumexp.data_ptr<scalar_t>(), strides3(output)};
+    if (half_output) {
+      out.half_out = static_cast<uint16_t*>(output.data_ptr());
+      out.half_out_kind = dtype == at::kBFloat16 ? cpu::HalfKind::kBFloat16 : cpu::HalfKind::kFloat16;
+    }
     if (half) {
       in.half = half_inputs.view(half_mode == cpu::HalfGemmMode::kNative);
     } else if (widen_in_tasks) {
       in.half_source = half_inputs.view(false);
-      out.half_out = static_cast<uint16_t*>(output.data_ptr());
     }
     run_forward(in, out);
   });

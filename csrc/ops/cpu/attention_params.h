@@ -62,9 +62,9 @@ struct AttentionForwardOutputs {
   T* weights;           // (B, H, Lq, Lk) contiguous, or nullptr when the weights are not kept
   T* lse;               // (B, H, Lq) log-sum-exp of the masked, scaled scores
   Strides3 out_stride;  // of out
-  // The output in the half type of in.half_source (out_stride), rounded from each task's T rows; out is then
-  // nullptr. T = float only.
+  // The output in a half type (out_stride), rounded from each task's T rows; out is then nullptr. T = float only.
   uint16_t* half_out = nullptr;
+  HalfKind half_out_kind = HalfKind::kBFloat16;
 };
 
 // dK or dV as the backward's tasks write them: per split of a head's query chunks, partial sums that the caller

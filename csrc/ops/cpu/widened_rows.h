@@ -116,7 +116,7 @@ class OutputRows {
       if (out_.half_out != nullptr) {
         uint16_t* dst = head_row(out_.half_out, out_.out_stride, in_.heads, bh_, row0_);
         for (int64_t r = 0; r < count; ++r) {
-          round_to_half(in_.half_source.kind, buffer_.data() + r * in_.d_v, dst + r * out_.out_stride.row, in_.d_v);
+          round_to_half(out_.half_out_kind, buffer_.data() + r * in_.d_v, dst + r * out_.out_stride.row, in_.d_v);
         }
       }
     }
