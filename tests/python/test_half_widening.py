@@ -1,5 +1,6 @@
 """A bfloat16 or float16 forward whose products run in fp32 widens q, k and v a head at a time in its tasks and
-rounds each chunk's output rows into the half-type output. Each task must read the rows of its own head and chunk
+rounds each chunk's output rows into the half-type output; the blocked backward widens dO and O rows too and
+rounds its dQ rows. Each task must read the rows of its own head and chunk
 whatever the layout of the inputs, the threads' order through the heads and the kernel path (online softmax,
 kept weights, a chunk redone over all keys), so outputs are checked against the float64 oracle and, sharper,
 against the float32 kernel on the same values rounded once to the half type.
@@ -103,18 +104,27 @@ def test_empty_sequences(dtype, len_q, len_k):
 
 
 @pytest.mark.parametrize("dtype", HALF_TYPES)
-def test_gradients_after_a_widened_forward(dtype):
-    b, h, length, d = 2, 3, 40, 16
-    q, k, v = (torch.randn(b, h, length, d, dtype=dtype, requires_grad=True) for _ in range(3))
-    mask = padding_mask(b, length, length, [12, 33], True)
-    out, _ = OPS.attention(q, k, v, mask, 0.0, False, False)
-    grad = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), grad)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref_out, _ = oracle_attention(q64, k64, v64, mask)
-    ref_grads = torch.autograd.grad(ref_out, (q64, k64, v64), grad.double())
+@pytest.mark.parametrize("layout", ["contiguous", "heads interleaved", "strided rows"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("mask_kind", MASKS)
+def test_gradients_widened_in_tasks_match_the_oracle(monkeypatch, dtype, layout, shape, mask_kind):
+    # The blocked backward widens q/k/v, dO and O in its tasks and rounds dQ there; two heads split their chunks
+    # into ranges with partial dK and dV.
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
+    b, h, len_q, len_k, d_k, d_v = SHAPES[shape]
+    q, k = make(layout, b, h, len_q, d_k, dtype), make(layout, b, h, len_k, d_k, dtype)
+    v = make(layout, b, h, len_k, d_v, dtype)
+    mask = mask_for(mask_kind, b, len_q, len_k)
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    out, _ = OPS.attention(*inputs, mask, 0.0, False, False)
+    grad = make(layout, b, h, len_q, d_v, dtype)
+    grads = torch.autograd.grad(out, inputs, grad)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = oracle_attention(*ref, mask)
+    ref_grads = torch.autograd.grad(ref_out, ref, grad.double())
     assert_close(out, ref_out, dtype)
-    for g, r in zip(grads, ref_grads):
+    for g, r, t in zip(grads, ref_grads, inputs):
+        assert g.dtype == dtype and g.shape == t.shape
         assert_close(g, r, dtype)
 
 

@@ -264,26 +264,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
                                           : std::clamp<int64_t>((2 * threads + heads_total - 1) / heads_total, 1,
                                                                 std::max<int64_t>(chunks, 1));
   const auto acc_options = query.options().dtype(acc);
-  auto grad_q = empty_output({batch, heads, len_q, d_k}, query, acc_options);
+  const auto dtype = query.scalar_type();
+  // The blocked backward multiplies in the half type as the forward does (ops/cpu/half_gemm.h); or, with
+  // products widened, its tasks widen q/k/v, dO and O and round their dQ rows (ops/cpu/widened_rows.h).
+  const auto half_mode = cpu::half_gemm_mode();
+  const bool half = use_output && cpu::multiplies_in_half_type(dtype, half_mode);
+  const bool widen_in_tasks = use_output && dtype != acc && !half;
+  auto grad_q = empty_output({batch, heads, len_q, d_k}, query, widen_in_tasks ? query.options() : acc_options);
   // One split: the tasks write dK and dV themselves. More: partial sums (splits, B, H, Lk, d), added up below.
   auto partial = [&](const at::Tensor& input, int64_t d) {
     return splits == 1 ? empty_output({batch, heads, len_k, d}, input, acc_options).unsqueeze(0)
                        : cpu::empty_large({splits, batch, heads, len_k, d}, acc_options);
   };
   auto grad_k_partial = partial(key, d_k), grad_v_partial = partial(value, d_v);
-  const auto q = kernel_operand(query, acc), k = kernel_operand(key, acc), v = kernel_operand(value, acc);
-  const auto grad_out = kernel_operand(grad_output, acc);
+  const HalfInputs half_inputs(query, key, value, half || widen_in_tasks);
+  // The operands in the accumulation type, or in the half type for the tasks to widen.
+  const auto operand = [&](const at::Tensor& x) { return kernel_operand(x, widen_in_tasks ? dtype : acc); };
+  const auto q = widen_in_tasks ? half_inputs.q : kernel_operand(query, acc);
+  const auto k = widen_in_tasks ? half_inputs.k : kernel_operand(key, acc);
+  const auto v = widen_in_tasks ? half_inputs.v : kernel_operand(value, acc);
+  const auto grad_out = operand(grad_output);
   const auto grad_w = has_grad_weights ? grad_weights->to(acc).contiguous() : at::Tensor();
   const auto lse = logsumexp.to(acc).contiguous();
-  const auto out = use_output ? kernel_operand(output, acc) : at::Tensor();
+  const auto out = use_output ? operand(output) : at::Tensor();
   const auto mask_view = broadcast_mask(mask, query, key);
   const auto state = rng_state.to(at::kCPU).contiguous();
   const auto* seed_offset = state.const_data_ptr<int64_t>();
-  // The blocked backward multiplies in the half type as the forward does (ops/cpu/half_gemm.h).
-  const auto half_mode = cpu::half_gemm_mode();
-  const bool half = use_output && cpu::multiplies_in_half_type(query.scalar_type(), half_mode);
-  const HalfInputs half_inputs(query, key, value, half);
-  const auto half_grad_out = half ? kernel_operand(grad_output, query.scalar_type()) : at::Tensor();
+  const auto half_grad_out = half ? kernel_operand(grad_output, dtype) : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES(acc, "fastmha_cpu_attention_backward", [&] {
     auto in = kernel_inputs<scalar_t>(q, k, v, mask_view, dropout_p, is_causal, seed_offset[0], seed_offset[1],
                                       Pass::kBackward);
@@ -291,11 +298,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
       const auto split = t.select(0, 0);
       return cpu::PartialGradients<scalar_t>{t.data_ptr<scalar_t>(), strides3(split), t.stride(0)};
     };
-    cpu::AttentionBackwardTensors<scalar_t> grads{grad_out.const_data_ptr<scalar_t>(),
+    const auto typed = [&](const at::Tensor& t) { return widen_in_tasks ? nullptr : t.const_data_ptr<scalar_t>(); };
+    cpu::AttentionBackwardTensors<scalar_t> grads{typed(grad_out),
                                                   has_grad_weights ? grad_w.const_data_ptr<scalar_t>() : nullptr,
                                                   lse.const_data_ptr<scalar_t>(),
-                                                  use_output ? out.const_data_ptr<scalar_t>() : nullptr,
-                                                  grad_q.data_ptr<scalar_t>(),
+                                                  use_output ? typed(out) : nullptr,
+                                                  widen_in_tasks ? nullptr : grad_q.data_ptr<scalar_t>(),
                                                   partial_gradients(grad_k_partial),
                                                   partial_gradients(grad_v_partial),
                                                   splits,
@@ -306,6 +314,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
       in.half = half_inputs.view(half_mode == cpu::HalfGemmMode::kNative);
       grads.half_grad_out = static_cast<const uint16_t*>(half_grad_out.const_data_ptr());
       grads.half_grad_out_stride = strides3(half_grad_out);
+    } else if (widen_in_tasks) {
+      in.half_source = half_inputs.view(false);
+      grads.source_grad_out = static_cast<const uint16_t*>(grad_out.const_data_ptr());
+      grads.source_out = static_cast<const uint16_t*>(out.const_data_ptr());
+      grads.half_grad_q = static_cast<uint16_t*>(grad_q.data_ptr());
     }
     run_backward(in, grads);
   });
@@ -319,7 +332,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
     at::sum_out(summed, partial, at::IntArrayRef(split_dim));
     return summed.to(input.scalar_type());
   };
-  return {grad_q.to(query.scalar_type()), reduce(grad_k_partial, key), reduce(grad_v_partial, value)};
+  return {grad_q.to(dtype), reduce(grad_k_partial, key), reduce(grad_v_partial, value)};
 }
 
 }  // namespace

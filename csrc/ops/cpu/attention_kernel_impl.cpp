@@ -925,6 +925,8 @@ struct BackwardBuffers {
   std::vector<RowSoftmax<T>> softmax;
   NonFiniteKeys<T> non_finite{true};
   std::vector<uint32_t> words;
+  WidenedHead<T> widened;  // q/k/v when the tasks widen them (in.half_source)
+  BackwardChunkRows<T> chunk_rows;
 };
 
 // Whether query row `query` sees no key at all (mask, and causality with is_causal): all its scores are -1e9.
@@ -1049,13 +1051,98 @@ void for_each_backward_chunk(const AttentionInputs<T>& in, const AttentionBackwa
     buf.softmax.resize(chunk);
     for (int64_t begin, end; claim(begin, end);) {
       for (int64_t t = begin; t < end; ++t) {
-        const SplitTask<T> task = split_task(in, g, t, chunks);
+        SplitTask<T> task = split_task(in, g, t, chunks);
         for (int64_t c = task.chunk_begin; c < task.chunk_end; ++c) {
-          body(task, c * chunk, std::min(chunk, in.len_q - c * chunk), buf);
+          const int64_t row0 = c * chunk, rows = std::min(chunk, in.len_q - row0);
+          if (in.half_source.q != nullptr) {
+            const auto own = buf.widened.rows_of(in, task.bh, row0, rows);
+            task.head.q = own.q;
+            task.head.k = own.k;
+            task.head.v = own.v;
+          }
+          body(task, row0, rows, buf);
         }
       }
     }
   });
+}
+
+// One chunk of the blocked backward: rows row0 .. row0 + rows of the task's head, whose dO, O and dQ rows are
+// buf.chunk_rows.
+template <typename T>
+void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, const SplitTask<T>& task,
+                   int64_t row0, int64_t rows, BackwardBuffers<T>& buf) {
+  const auto& [bh, chunk_begin, chunk_end, head, grad_k, grad_v] = task;
+  auto& [probs, grad_w, keep, softmax, non_finite, words, widened, chunk_rows] = buf;
+  const int64_t first_row = bh * in.len_q + row0;
+  const T* grad_out = chunk_rows.grad_out;
+  const T* out = chunk_rows.out;
+  const T* q_rows = head.q + row0 * in.q_stride.row;
+  T* grad_q = chunk_rows.grad_q;
+  const int64_t ld_grad_out = chunk_rows.ld_grad_out, ld_grad_q = chunk_rows.ld_grad_q;
+  const int64_t ld_grad_k = g.grad_k.stride.row, ld_grad_v = g.grad_v.stride.row;
+  const uint16_t* half_grad_out =
+      g.half_grad_out ? head_row(g.half_grad_out, g.half_grad_out_stride, in.heads, bh, row0) : nullptr;
+  // dO rows all zero (padded queries that the loss ignores): dP = 0 and D = sum_j P_j dP_j = 0, so dS = 0.
+  // The chunk adds nothing to dK and dV and its dQ rows are zero, unless 0 * inf makes NaN: a non-finite
+  // Q row, key, value or log-sum-exp (P = exp(S - lse)).
+  if (all_zero(grad_out, ld_grad_out, rows, in.d_v) && finite_rows(q_rows, in.q_stride.row, 0, rows, in.d_k) &&
+      finite_rows(g.lse + first_row, 1, 0, rows, 1) && !non_finite.any(in, head, bh)) {
+    zero_rows(grad_q, ld_grad_q, rows, in.d_k);
+    return;
+  }
+  row_softmax_constants(in, g, head, row0, rows, first_row, buf);
+  // dV and dK of a skipped key are zero weights (score gradients) times dO (Q) rows: a NaN or an infinity
+  // there makes them NaN in the math.
+  bool may_skip =
+      finite_rows(grad_out, ld_grad_out, 0, rows, in.d_v) && finite_rows(q_rows, in.q_stride.row, 0, rows, in.d_k);
+  for (int64_t r = 0; r < rows && may_skip; ++r) may_skip = skipped_keys_weigh_zero(g.lse[first_row + r]);
+  const KeySpan span = chunk_span(in, head, bh, row0, rows, non_finite, !may_skip);
+  const bool narrow = may_skip && span.masked && !non_finite.any(in, head, bh);
+  if (in.half.q != nullptr) {
+    half_chunk_rows(in, half_grad_out, g.half_grad_out_stride.row, head, row0, rows);
+  }
+  bool computed = false;
+  for (int64_t from = span.lo; from < span.hi;) {
+    const KeySpan part = next_block(in, head, row0, rows, span, from, narrow);
+    if (part.size() == 0) {
+      break;
+    }
+    from = part.hi;
+    const int64_t n = part.size(), lo = part.lo;
+    const T* v_part = head.v + lo * in.v_stride.row;
+    const T* k_part = head.k + lo * in.k_stride.row;
+    block_scores(in, head, row0, rows, part, probs.data(), n);
+    if (in.half.q != nullptr) {
+      half_grad_weights(in, half_grad_out, g.half_grad_out_stride.row, head, rows, lo, n, grad_w.data());
+    } else {
+      gemm<T>(false, true, rows, n, in.d_v, T(1), grad_out, ld_grad_out, v_part, in.v_stride.row, T(0), grad_w.data(),
+              n);
+    }
+    if (in.dropout_p > 0) {
+      fill_chunk_keep(in, first_row, rows, part, words, keep.data());
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      fused_backward_row(in, grad_out + r * ld_grad_out, out + r * chunk_rows.ld_out, row0 + r, part, head, softmax[r],
+                         probs.data() + r * n, grad_w.data() + r * n, in.dropout_p > 0 ? keep.data() + r * n : nullptr);
+    }
+    if (in.half.q != nullptr) {
+      half_block_gradients(in, g, head, rows, lo, n, probs.data(), grad_w.data(), grad_q, grad_k, grad_v, computed);
+      computed = true;
+      continue;
+    }
+    // dV += W^T dO ; dQ (+)= scale * dS K ; dK += scale * dS^T Q (over this block's keys)
+    gemm<T>(true, false, n, in.d_v, rows, T(1), probs.data(), n, grad_out, ld_grad_out, T(1), grad_v + lo * ld_grad_v,
+            ld_grad_v);
+    gemm<T>(false, false, rows, in.d_k, n, in.scale, grad_w.data(), n, k_part, in.k_stride.row, computed ? T(1) : T(0),
+            grad_q, ld_grad_q);
+    gemm<T>(true, false, n, in.d_k, rows, in.scale, grad_w.data(), n, q_rows, in.q_stride.row, T(1),
+            grad_k + lo * ld_grad_k, ld_grad_k);
+    computed = true;
+  }
+  if (!computed) {
+    zero_rows(grad_q, ld_grad_q, rows, in.d_k);
+  }
 }
 
 // The backward when the weights carry no gradient and the forward output is at hand (fused_backward_row needs
@@ -1068,97 +1155,29 @@ void blocked_backward(const AttentionInputs<T>& inputs, const AttentionBackwardT
   std::unique_ptr<uint16_t[]> packed_heads;
   const AttentionInputs<T> in = with_packed_heads(inputs, true, packed_heads);
   const int64_t chunk = backward_query_chunk(true, in.len_q, in.len_k, in.batch * in.heads, at::get_num_threads());
-  for_each_backward_chunk(
-      in, g, chunk, in.key_block, [&](const SplitTask<T>& task, int64_t row0, int64_t rows, BackwardBuffers<T>& buf) {
-        const auto& [bh, chunk_begin, chunk_end, head, grad_k, grad_v] = task;
-        auto& [probs, grad_w, keep, softmax, non_finite, words] = buf;
-        const int64_t first_row = bh * in.len_q + row0;
-        const T* grad_out = head_row(g.grad_out, g.grad_out_stride, in.heads, bh, row0);
-        const T* out = head_row(g.out, g.out_stride, in.heads, bh, row0);
-        const T* q_rows = head.q + row0 * in.q_stride.row;
-        T* grad_q = head_row(g.grad_q, g.grad_q_stride, in.heads, bh, row0);
-        const int64_t ld_grad_out = g.grad_out_stride.row, ld_grad_q = g.grad_q_stride.row;
-        const int64_t ld_grad_k = g.grad_k.stride.row, ld_grad_v = g.grad_v.stride.row;
-        const uint16_t* half_grad_out =
-            g.half_grad_out ? head_row(g.half_grad_out, g.half_grad_out_stride, in.heads, bh, row0) : nullptr;
-        // dO rows all zero (padded queries that the loss ignores): dP = 0 and D = sum_j P_j dP_j = 0, so dS = 0.
-        // The chunk adds nothing to dK and dV and its dQ rows are zero, unless 0 * inf makes NaN: a non-finite
-        // Q row, key, value or log-sum-exp (P = exp(S - lse)).
-        if (all_zero(grad_out, ld_grad_out, rows, in.d_v) && finite_rows(q_rows, in.q_stride.row, 0, rows, in.d_k) &&
-            finite_rows(g.lse + first_row, 1, 0, rows, 1) && !non_finite.any(in, head, bh)) {
-          zero_rows(grad_q, ld_grad_q, rows, in.d_k);
-          return;
-        }
-        row_softmax_constants(in, g, head, row0, rows, first_row, buf);
-        // dV and dK of a skipped key are zero weights (score gradients) times dO (Q) rows: a NaN or an infinity
-        // there makes them NaN in the math.
-        bool may_skip = finite_rows(grad_out, ld_grad_out, 0, rows, in.d_v) &&
-                        finite_rows(q_rows, in.q_stride.row, 0, rows, in.d_k);
-        for (int64_t r = 0; r < rows && may_skip; ++r) may_skip = skipped_keys_weigh_zero(g.lse[first_row + r]);
-        const KeySpan span = chunk_span(in, head, bh, row0, rows, non_finite, !may_skip);
-        const bool narrow = may_skip && span.masked && !non_finite.any(in, head, bh);
-        if (in.half.q != nullptr) {
-          half_chunk_rows(in, half_grad_out, g.half_grad_out_stride.row, head, row0, rows);
-        }
-        bool computed = false;
-        for (int64_t from = span.lo; from < span.hi;) {
-          const KeySpan part = next_block(in, head, row0, rows, span, from, narrow);
-          if (part.size() == 0) {
-            break;
-          }
-          from = part.hi;
-          const int64_t n = part.size(), lo = part.lo;
-          const T* v_part = head.v + lo * in.v_stride.row;
-          const T* k_part = head.k + lo * in.k_stride.row;
-          block_scores(in, head, row0, rows, part, probs.data(), n);
-          if (in.half.q != nullptr) {
-            half_grad_weights(in, half_grad_out, g.half_grad_out_stride.row, head, rows, lo, n, grad_w.data());
-          } else {
-            gemm<T>(false, true, rows, n, in.d_v, T(1), grad_out, ld_grad_out, v_part, in.v_stride.row, T(0),
-                    grad_w.data(), n);
-          }
-          if (in.dropout_p > 0) {
-            fill_chunk_keep(in, first_row, rows, part, words, keep.data());
-          }
-          for (int64_t r = 0; r < rows; ++r) {
-            fused_backward_row(in, grad_out + r * ld_grad_out, out + r * g.out_stride.row, row0 + r, part, head,
-                               softmax[r], probs.data() + r * n, grad_w.data() + r * n,
-                               in.dropout_p > 0 ? keep.data() + r * n : nullptr);
-          }
-          if (in.half.q != nullptr) {
-            half_block_gradients(in, g, head, rows, lo, n, probs.data(), grad_w.data(), grad_q, grad_k, grad_v,
-                                 computed);
-            computed = true;
-            continue;
-          }
-          // dV += W^T dO ; dQ (+)= scale * dS K ; dK += scale * dS^T Q (over this block's keys)
-          gemm<T>(true, false, n, in.d_v, rows, T(1), probs.data(), n, grad_out, ld_grad_out, T(1),
-                  grad_v + lo * ld_grad_v, ld_grad_v);
-          gemm<T>(false, false, rows, in.d_k, n, in.scale, grad_w.data(), n, k_part, in.k_stride.row,
-                  computed ? T(1) : T(0), grad_q, ld_grad_q);
-          gemm<T>(true, false, n, in.d_k, rows, in.scale, grad_w.data(), n, q_rows, in.q_stride.row, T(1),
-                  grad_k + lo * ld_grad_k, ld_grad_k);
-          computed = true;
-        }
-        if (!computed) {
-          zero_rows(grad_q, ld_grad_q, rows, in.d_k);
-        }
-      });
+  for_each_backward_chunk(in, g, chunk, in.key_block,
+                          [&](const SplitTask<T>& task, int64_t row0, int64_t rows, BackwardBuffers<T>& buf) {
+                            BackwardChunkRows<T>& chunk_rows = buf.chunk_rows;
+                            chunk_rows.take(in, g, task.bh, row0, rows);
+                            blocked_chunk(in, g, task, row0, rows, buf);
+                            chunk_rows.done(in, g, rows);
+                          });
 }
 
 template <typename T>
 void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g) {
-  if (g.out != nullptr && g.grad_weights == nullptr) {
+  if ((g.out != nullptr || g.source_out != nullptr) && g.grad_weights == nullptr) {
     return blocked_backward(in, g);
   }
-  TORCH_INTERNAL_ASSERT(in.half.q == nullptr, "the backward that keeps whole score rows multiplies widened");
+  TORCH_INTERNAL_ASSERT(in.half.q == nullptr && in.half_source.q == nullptr,
+                        "the backward that keeps whole score rows multiplies operands widened by the caller");
   using Vec = Vectorized<T>;
   const int64_t chunk = backward_query_chunk(false, in.len_q, in.len_k, in.batch * in.heads, at::get_num_threads());
   const int64_t ld = in.len_k;
   for_each_backward_chunk(
       in, g, chunk, ld, [&](const SplitTask<T>& task, int64_t row0, int64_t rows, BackwardBuffers<T>& buf) {
         const auto& [bh, chunk_begin, chunk_end, head, grad_k, grad_v] = task;
-        auto& [probs, grad_w, keep, softmax, non_finite, words] = buf;
+        auto& [probs, grad_w, keep, softmax, non_finite, words, widened, chunk_rows] = buf;
         const int64_t first_row = bh * in.len_q + row0;
         const T* grad_out = head_row(g.grad_out, g.grad_out_stride, in.heads, bh, row0);
         const int64_t ld_grad_out = g.grad_out_stride.row;

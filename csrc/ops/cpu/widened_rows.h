@@ -94,6 +94,64 @@ class WidenedHead {
   int64_t bh_ = -1;
 };
 
+// A blocked backward task's rows of dO and O, and of dQ, for one chunk of queries: those of the tensors, or,
+// when they are in a half type (AttentionBackwardTensors::half_grad_q), dO and O widened into the task's buffers
+// and dQ computed there, rounded into the gradient by done().
+template <typename T>
+class BackwardChunkRows {
+ public:
+  const T* grad_out = nullptr;
+  const T* out = nullptr;
+  T* grad_q = nullptr;
+  int64_t ld_grad_out = 0, ld_out = 0, ld_grad_q = 0;
+
+  void take(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, int64_t bh, int64_t row0,
+            int64_t rows) {
+    bh_ = bh;
+    row0_ = row0;
+    if (g.half_grad_q == nullptr) {
+      grad_out = head_row(g.grad_out, g.grad_out_stride, in.heads, bh, row0);
+      out = head_row(g.out, g.out_stride, in.heads, bh, row0);
+      grad_q = head_row(g.grad_q, g.grad_q_stride, in.heads, bh, row0);
+      ld_grad_out = g.grad_out_stride.row;
+      ld_out = g.out_stride.row;
+      ld_grad_q = g.grad_q_stride.row;
+      return;
+    }
+    if constexpr (std::is_same_v<T, float>) {
+      const HalfKind kind = in.half_source.kind;
+      grad_out_.resize(static_cast<size_t>(rows * in.d_v));
+      out_.resize(static_cast<size_t>(rows * in.d_v));
+      grad_q_.resize(static_cast<size_t>(rows * in.d_k));
+      widen_rows(kind, head_row(g.source_grad_out, g.grad_out_stride, in.heads, bh, row0), g.grad_out_stride.row, rows,
+                 in.d_v, grad_out_.data());
+      widen_rows(kind, head_row(g.source_out, g.out_stride, in.heads, bh, row0), g.out_stride.row, rows, in.d_v,
+                 out_.data());
+    }
+    grad_out = grad_out_.data();
+    out = out_.data();
+    grad_q = grad_q_.data();
+    ld_grad_out = ld_out = in.d_v;
+    ld_grad_q = in.d_k;
+  }
+
+  // The chunk's `rows` dQ rows are final.
+  void done(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, int64_t rows) {
+    if constexpr (std::is_same_v<T, float>) {
+      if (g.half_grad_q != nullptr) {
+        uint16_t* dst = head_row(g.half_grad_q, g.grad_q_stride, in.heads, bh_, row0_);
+        for (int64_t r = 0; r < rows; ++r) {
+          round_to_half(in.half_source.kind, grad_q_.data() + r * in.d_k, dst + r * g.grad_q_stride.row, in.d_k);
+        }
+      }
+    }
+  }
+
+ private:
+  std::vector<T> grad_out_, out_, grad_q_;
+  int64_t bh_ = 0, row0_ = 0;
+};
+
 // Where a task puts a chunk's output rows: straight into the output, or, when that is in a half type
 // (out.half_out), into the task's buffer, rounded into the output by done().
 template <typename T>
