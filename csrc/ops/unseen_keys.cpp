@@ -24,8 +24,8 @@ std::optional<KeyRows> split_key_rows(const std::optional<at::Tensor>& mask, con
   }
   std::vector<int64_t> sizes(4 - m.dim(), 1);
   sizes.insert(sizes.end(), m.sizes().begin(), m.sizes().end());
-  // As the kernels read masks: nonzero (NaN too) attends.
-  const at::Tensor visible = m.ne(0).view(sizes);
+  // As the kernels read masks: nonzero (NaN too) attends. The block passes it as bool already.
+  const at::Tensor visible = (m.scalar_type() == at::kBool ? m : m.ne(0)).view(sizes);
   // A query row that sees no key spreads its weight over all keys (the -1e9 rule): all keys of its batch
   // element count as seen.
   const at::Tensor blind = visible.any(3).logical_not().flatten(1).any(1);
