@@ -94,13 +94,20 @@ def test_non_finite_value_behind_the_padding_reaches_every_row(dtype):
 
 
 @pytest.mark.parametrize("dtype", HALF_TYPES)
-@pytest.mark.parametrize("len_q,len_k", [(0, 5), (5, 0)])
-def test_empty_sequences(dtype, len_q, len_k):
-    q, k, v = (torch.randn(2, 3, n, 8, dtype=dtype) for n in (len_q, len_k, len_k))
-    out, _ = OPS.attention(q, k, v, None, 0.0, False, False)
-    ref_out, _ = oracle_attention(q.double(), k.double(), v.double())
-    assert out.shape == (2, 3, len_q, 8) and out.dtype == dtype
+@pytest.mark.parametrize("len_q,len_k,d_v", [(0, 5, 8), (5, 0, 8), (5, 6, 0)])
+def test_empty_sequences_and_values(dtype, len_q, len_k, d_v):
+    q, k = torch.randn(2, 3, len_q, 8, dtype=dtype), torch.randn(2, 3, len_k, 8, dtype=dtype)
+    v = torch.randn(2, 3, len_k, d_v, dtype=dtype)
+    inputs = [t.requires_grad_() for t in (q, k, v)]
+    out, _ = OPS.attention(*inputs, None, 0.0, False, False)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = oracle_attention(*ref)
+    assert out.shape == (2, 3, len_q, d_v) and out.dtype == dtype
     assert_close(out, ref_out, dtype)
+    grad = torch.randn_like(out)
+    for g, r in zip(torch.autograd.grad(out, inputs, grad), torch.autograd.grad(ref_out, ref, grad.double())):
+        assert g.dtype == dtype
+        assert_close(g, r, dtype)
 
 
 @pytest.mark.parametrize("dtype", HALF_TYPES)

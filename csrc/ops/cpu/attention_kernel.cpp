@@ -68,7 +68,7 @@ int64_t key_block_size(Pass pass, int64_t len_q, int64_t heads_total, int64_t d_
 }
 
 // The kernels' inputs. q/k/v in a half type (with T = float) are not read in T (the forward's products take
-// them as they are, in.half) or are left to the forward's tasks to widen (in.half_source), both set by the
+// them as they are, in.half) or are left to the kernels' tasks to widen (in.half_source), both set by the
 // caller: no pointers, rows of d_k and d_v in the tasks' buffers.
 template <typename T>
 cpu::AttentionInputs<T> kernel_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -198,8 +198,8 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
   const auto half_mode = cpu::half_gemm_mode();
   const bool half = cpu::multiplies_in_half_type(dtype, half_mode);
   // Half types: the tasks round their output rows into the half-type output, and, when the products are
-  // widened, widen q/k/v a head at a time (ops/cpu/widened_rows.h), rather than whole fp32 copies going through
-  // memory.
+  // widened, widen k/v a head at a time and q a chunk at a time (ops/cpu/widened_rows.h), rather than whole fp32
+  // copies going through memory.
   const bool half_output = dtype != acc;
   const bool widen_in_tasks = half_output && !half;
   auto output = empty_output({batch, heads, len_q, value.size(3)}, query, half_output ? query.options() : acc_options);
@@ -225,11 +225,13 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
     if (half_output) {
       out.half_out = static_cast<uint16_t*>(output.data_ptr());
       out.half_out_kind = dtype == at::kBFloat16 ? cpu::HalfKind::kBFloat16 : cpu::HalfKind::kFloat16;
+      out.rounds_to_half = true;
     }
     if (half) {
       in.half = half_inputs.view(half_mode == cpu::HalfGemmMode::kNative);
     } else if (widen_in_tasks) {
       in.half_source = half_inputs.view(false);
+      in.widen_in_tasks = true;
     }
     run_forward(in, out);
   });
@@ -316,6 +318,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
       grads.half_grad_out_stride = strides3(half_grad_out);
     } else if (widen_in_tasks) {
       in.half_source = half_inputs.view(false);
+      in.widen_in_tasks = true;
       grads.source_grad_out = static_cast<const uint16_t*>(grad_out.const_data_ptr());
       grads.source_out = static_cast<const uint16_t*>(out.const_data_ptr());
       grads.half_grad_q = static_cast<uint16_t*>(grad_q.data_ptr());

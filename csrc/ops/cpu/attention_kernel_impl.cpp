@@ -65,9 +65,10 @@ template <typename T>
 Head<T> head_pointers(const AttentionInputs<T>& in, int64_t bh) {
   const int64_t b = bh / in.heads, h = bh % in.heads;
   const bool* mask = in.mask ? in.mask + b * in.mask_stride[0] + h * in.mask_stride[1] : nullptr;
-  // No q/k/v pointers when the forward widens them per task (in.half_source; forward_chunk gives them).
-  auto rows = [&](const T* base, const Strides3& s) { return base ? head_row(base, s, in.heads, bh, 0) : nullptr; };
-  Head<T> head{rows(in.q, in.q_stride), rows(in.k, in.k_stride), rows(in.v, in.v_stride), mask};
+  // No q/k/v pointers when the tasks widen them (in.half_source: forward_chunk and for_each_backward_chunk give
+  // them), nor q/k in a forward whose products run in the half type.
+  Head<T> head{head_row(in.q, in.q_stride, in.heads, bh, 0), head_row(in.k, in.k_stride, in.heads, bh, 0),
+               head_row(in.v, in.v_stride, in.heads, bh, 0), mask};
   if (const HalfOperands& half = in.half; half.q != nullptr) {
     head.half_q = head_row(half.q, half.q_stride, in.heads, bh, 0);
     head.half_k = head_row(half.k, half.k_stride, in.heads, bh, 0);
@@ -711,7 +712,7 @@ ForwardChunk<T> forward_chunk(const AttentionInputs<T>& in, int64_t task, int64_
   const int64_t bh = task / chunks, row0 = (task % chunks) * chunk;
   const int64_t rows = std::min(chunk, in.len_q - row0);
   Head<T> head = head_pointers(in, bh);
-  if (in.half_source.q != nullptr) {
+  if (in.widen_in_tasks) {
     const auto own = widened.rows_of(in, bh, row0, rows);
     head.q = own.q;
     head.k = own.k;
@@ -764,7 +765,7 @@ void online_forward(const AttentionInputs<T>& in, const AttentionForwardOutputs<
 template <typename T>
 void forward_impl(const AttentionInputs<T>& inputs, const AttentionForwardOutputs<T>& out) {
   std::unique_ptr<uint16_t[]> packed_heads;
-  TORCH_INTERNAL_ASSERT(inputs.half_source.q == nullptr || (inputs.half.q == nullptr && std::is_same_v<T, float>),
+  TORCH_INTERNAL_ASSERT(!inputs.widen_in_tasks || (inputs.half.q == nullptr && std::is_same_v<T, float>),
                         "the tasks widen half-type operands only for products in float");
   const AttentionInputs<T> in = with_packed_heads(inputs, false, packed_heads);
   if (out.weights == nullptr) {
@@ -925,7 +926,7 @@ struct BackwardBuffers {
   std::vector<RowSoftmax<T>> softmax;
   NonFiniteKeys<T> non_finite{true};
   std::vector<uint32_t> words;
-  WidenedHead<T> widened;  // q/k/v when the tasks widen them (in.half_source)
+  WidenedHead<T> widened;  // q/k/v when the tasks widen them (in.widen_in_tasks)
   BackwardChunkRows<T> chunk_rows;
 };
 
@@ -1054,7 +1055,7 @@ void for_each_backward_chunk(const AttentionInputs<T>& in, const AttentionBackwa
         SplitTask<T> task = split_task(in, g, t, chunks);
         for (int64_t c = task.chunk_begin; c < task.chunk_end; ++c) {
           const int64_t row0 = c * chunk, rows = std::min(chunk, in.len_q - row0);
-          if (in.half_source.q != nullptr) {
+          if (in.widen_in_tasks) {
             const auto own = buf.widened.rows_of(in, task.bh, row0, rows);
             task.head.q = own.q;
             task.head.k = own.k;
@@ -1166,10 +1167,11 @@ void blocked_backward(const AttentionInputs<T>& inputs, const AttentionBackwardT
 
 template <typename T>
 void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g) {
+  TORCH_INTERNAL_ASSERT(!in.widen_in_tasks || (std::is_same_v<T, float>), "the tasks widen for float only");
   if ((g.out != nullptr || g.source_out != nullptr) && g.grad_weights == nullptr) {
     return blocked_backward(in, g);
   }
-  TORCH_INTERNAL_ASSERT(in.half.q == nullptr && in.half_source.q == nullptr,
+  TORCH_INTERNAL_ASSERT(in.half.q == nullptr && !in.widen_in_tasks,
                         "the backward that keeps whole score rows multiplies operands widened by the caller");
   using Vec = Vectorized<T>;
   const int64_t chunk = backward_query_chunk(false, in.len_q, in.len_k, in.batch * in.heads, at::get_num_threads());

@@ -1,5 +1,5 @@
 // What the fused CPU attention kernels read and write. Tensors arrive in the accumulation type T (float or
-// double; half types are widened by the caller or by the forward's tasks, and may also come as they are,
+// double; half types are widened by the caller or by the kernels' tasks, and may also come as they are,
 // HalfOperands); q/k/v and the (B, H, L, d) outputs and gradients have rows of unit stride and any other strides
 // (Strides3); the mask is a bool view broadcast to (B, H, Lq, Lk) through its strides (zeros where broadcast).
 #pragma once
@@ -51,9 +51,11 @@ struct AttentionInputs {
   uint64_t seed, offset;  // Philox stream of this call's dropout
   int64_t key_block;      // keys per block of the online-softmax forward and the blocked backward (> 0)
   HalfOperands half;      // T = float only
-  // q/k/v in their half type when the forward widens them itself, a head at a time into each task's buffers
-  // (widened_rows.h): q, k and v above are then nullptr, their row strides d_k and d_v. T = float only.
+  // q/k/v in their half type when the kernels' tasks widen them, a head at a time into their own buffers
+  // (widened_rows.h): q, k and v above are then nullptr, their row strides d_k and d_v. q and k are nullptr too
+  // in a forward whose products run in the half type (half). T = float only.
   HalfOperands half_source;
+  bool widen_in_tasks = false;  // whether the tasks widen half_source (its pointers are nullptr where it is empty)
 };
 
 template <typename T>
@@ -65,6 +67,7 @@ struct AttentionForwardOutputs {
   // The output in a half type (out_stride), rounded from each task's T rows; out is then nullptr. T = float only.
   uint16_t* half_out = nullptr;
   HalfKind half_out_kind = HalfKind::kBFloat16;
+  bool rounds_to_half = false;  // whether the output is half_out (nullptr where it is empty)
 };
 
 // dK or dV as the backward's tasks write them: per split of a head's query chunks, partial sums that the caller
@@ -81,7 +84,7 @@ struct AttentionBackwardTensors {
   const T* grad_out;      // (B, H, Lq, d_v), laid out by grad_out_stride
   const T* grad_weights;  // (B, H, Lq, Lk) contiguous, or nullptr
   const T* lse;           // (B, H, Lq)
-  const T* out;           // (B, H, Lq, d_v) forward output widened to T (out_stride), or nullptr (then row sums)
+  const T* out;           // (B, H, Lq, d_v) forward output in T (out_stride), or nullptr (then row sums, or source_out)
   T* grad_q;              // (B, H, Lq, d_k), laid out by grad_q_stride
   PartialGradients<T> grad_k, grad_v;
   int64_t splits;  // query-chunk ranges per head processed in parallel
@@ -89,7 +92,7 @@ struct AttentionBackwardTensors {
   // grad_out in the half type when the blocked backward's products run in it (AttentionInputs::half), or nullptr
   const uint16_t* half_grad_out = nullptr;
   Strides3 half_grad_out_stride{};
-  // The blocked backward's dO, O and dQ in a half type when its tasks widen (AttentionInputs::half_source): dO
+  // The blocked backward's dO, O and dQ in a half type when its tasks widen (AttentionInputs::widen_in_tasks): dO
   // and O rows are widened a chunk at a time and dQ rows rounded (laid out by grad_out_stride, out_stride and
   // grad_q_stride); grad_out, out and grad_q are then nullptr. T = float only.
   const uint16_t* source_grad_out = nullptr;
@@ -98,9 +101,10 @@ struct AttentionBackwardTensors {
 };
 
 // Row `row` of head bh (= batch index * heads + head index) of a (B, H, L, d) tensor laid out by s.
+// nullptr for a nullptr base (an empty tensor's, or an operand the kernels widen themselves).
 template <typename T>
 T* head_row(T* base, const Strides3& s, int64_t heads, int64_t bh, int64_t row) {
-  return base + (bh / heads) * s.batch + (bh % heads) * s.head + row * s.row;
+  return base == nullptr ? nullptr : base + (bh / heads) * s.batch + (bh % heads) * s.head + row * s.row;
 }
 
 // Rows of queries one task handles at a time: about 2 MiB of fp32 score rows per buffer (measured on a

@@ -1,8 +1,9 @@
-// Half-type operands widened to fp32 by the forward's tasks themselves, and their fp32 output rows rounded back.
-// A task widens the keys and values of the head it works on once, and the rows of each query chunk, into its own
-// buffers, where they stay in cache for the products; its output rows are rounded into the half-type output as
-// each chunk ends. Widening the whole tensors first instead sends every operand and the output through memory
-// once more in fp32, which is a large part of a forward whose products are small (a padded batch).
+// Half-type operands widened to fp32 by the kernels' tasks themselves (the forward's and the blocked backward's),
+// and their fp32 result rows rounded back. A task widens the keys and values of a head when it moves to that head,
+// and the rows of each query chunk, into its own buffers, where they stay in cache for the products; its output
+// (or dQ) rows are rounded into the half-type tensor as each chunk ends. Widening the whole tensors first instead
+// sends every operand and result through memory once more in fp32, which is a large part of a call whose
+// products are small (a padded batch).
 // Included by each per-ISA compile of the kernels (CPU_CAPABILITY).
 #pragma once
 
@@ -57,9 +58,10 @@ inline void widen_rows(HalfKind kind, const uint16_t* src, int64_t ld, int64_t r
   }
 }
 
-// One task's q, k and v in T when the forward widens them itself (in.half_source): the keys and values of one
-// head at a time, widened when the task moves to another head, and the query rows of its current chunk, in place
-// of the rows of a head's whole queries (row stride d_k, d_k and d_v as in.q_stride etc. say).
+// One task's q, k and v in T when the tasks widen them (in.widen_in_tasks, from in.half_source): the keys and values of
+// one head at a time, widened when the task moves to another head (a head split among tasks is widened by each), and
+// the query rows of its current chunk, in place of the rows of a head's whole queries (row stride d_k, d_k and d_v as
+// in.q_stride etc. say).
 template <typename T>
 class WidenedHead {
  public:
@@ -95,7 +97,7 @@ class WidenedHead {
 };
 
 // A blocked backward task's rows of dO and O, and of dQ, for one chunk of queries: those of the tensors, or,
-// when they are in a half type (AttentionBackwardTensors::half_grad_q), dO and O widened into the task's buffers
+// when the tasks widen (in.widen_in_tasks), dO and O widened into the task's buffers
 // and dQ computed there, rounded into the gradient by done().
 template <typename T>
 class BackwardChunkRows {
@@ -109,7 +111,7 @@ class BackwardChunkRows {
             int64_t rows) {
     bh_ = bh;
     row0_ = row0;
-    if (g.half_grad_q == nullptr) {
+    if (!in.widen_in_tasks) {
       grad_out = head_row(g.grad_out, g.grad_out_stride, in.heads, bh, row0);
       out = head_row(g.out, g.out_stride, in.heads, bh, row0);
       grad_q = head_row(g.grad_q, g.grad_q_stride, in.heads, bh, row0);
@@ -138,7 +140,7 @@ class BackwardChunkRows {
   // The chunk's `rows` dQ rows are final.
   void done(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, int64_t rows) {
     if constexpr (std::is_same_v<T, float>) {
-      if (g.half_grad_q != nullptr) {
+      if (in.widen_in_tasks && g.half_grad_q != nullptr) {
         uint16_t* dst = head_row(g.half_grad_q, g.grad_q_stride, in.heads, bh_, row0_);
         for (int64_t r = 0; r < rows; ++r) {
           round_to_half(in.half_source.kind, grad_q_.data() + r * in.d_k, dst + r * g.grad_q_stride.row, in.d_k);
@@ -153,25 +155,25 @@ class BackwardChunkRows {
 };
 
 // Where a task puts a chunk's output rows: straight into the output, or, when that is in a half type
-// (out.half_out), into the task's buffer, rounded into the output by done().
+// (out.rounds_to_half), into the task's buffer, rounded into the output by done().
 template <typename T>
 class OutputRows {
  public:
   OutputRows(const AttentionInputs<T>& in, const AttentionForwardOutputs<T>& out, int64_t chunk)
-      : in_(in), out_(out), buffer_(out.half_out != nullptr ? static_cast<size_t>(chunk * in.d_v) : 0) {}
+      : in_(in), out_(out), buffer_(out.rounds_to_half ? static_cast<size_t>(chunk * in.d_v) : 0) {}
 
   // The rows of head bh from row0 on, with their row stride.
   T* rows(int64_t bh, int64_t row0) {
     bh_ = bh;
     row0_ = row0;
-    return out_.half_out != nullptr ? buffer_.data() : head_row(out_.out, out_.out_stride, in_.heads, bh, row0);
+    return out_.rounds_to_half ? buffer_.data() : head_row(out_.out, out_.out_stride, in_.heads, bh, row0);
   }
-  int64_t ld() const { return out_.half_out != nullptr ? in_.d_v : out_.out_stride.row; }
+  int64_t ld() const { return out_.rounds_to_half ? in_.d_v : out_.out_stride.row; }
 
   // The chunk's `count` rows are final.
   void done(int64_t count) {
     if constexpr (std::is_same_v<T, float>) {
-      if (out_.half_out != nullptr) {
+      if (out_.rounds_to_half && out_.half_out != nullptr) {
         uint16_t* dst = head_row(out_.half_out, out_.out_stride, in_.heads, bh_, row0_);
         for (int64_t r = 0; r < count; ++r) {
           round_to_half(out_.half_out_kind, buffer_.data() + r * in_.d_v, dst + r * out_.out_stride.row, in_.d_v);
