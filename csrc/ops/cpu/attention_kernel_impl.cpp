@@ -706,18 +706,26 @@ struct ForwardChunk {
   Head<T> head;
 };
 
+// Points head bh's q/k/v at the task's widened rows, query rows row0 .. row0 + rows, when the tasks widen them
+// (in.widen_in_tasks); leaves them otherwise.
 template <typename T>
-ForwardChunk<T> forward_chunk(const AttentionInputs<T>& in, int64_t task, int64_t chunks, int64_t chunk,
-                              WidenedHead<T>& widened) {
-  const int64_t bh = task / chunks, row0 = (task % chunks) * chunk;
-  const int64_t rows = std::min(chunk, in.len_q - row0);
-  Head<T> head = head_pointers(in, bh);
+void use_widened_rows(const AttentionInputs<T>& in, WidenedHead<T>& widened, int64_t bh, int64_t row0, int64_t rows,
+                      Head<T>& head) {
   if (in.widen_in_tasks) {
     const auto own = widened.rows_of(in, bh, row0, rows);
     head.q = own.q;
     head.k = own.k;
     head.v = own.v;
   }
+}
+
+template <typename T>
+ForwardChunk<T> forward_chunk(const AttentionInputs<T>& in, int64_t task, int64_t chunks, int64_t chunk,
+                              WidenedHead<T>& widened) {
+  const int64_t bh = task / chunks, row0 = (task % chunks) * chunk;
+  const int64_t rows = std::min(chunk, in.len_q - row0);
+  Head<T> head = head_pointers(in, bh);
+  use_widened_rows(in, widened, bh, row0, rows, head);
   return {bh, row0, rows, bh * in.len_q + row0, head};
 }
 
@@ -1055,12 +1063,7 @@ void for_each_backward_chunk(const AttentionInputs<T>& in, const AttentionBackwa
         SplitTask<T> task = split_task(in, g, t, chunks);
         for (int64_t c = task.chunk_begin; c < task.chunk_end; ++c) {
           const int64_t row0 = c * chunk, rows = std::min(chunk, in.len_q - row0);
-          if (in.widen_in_tasks) {
-            const auto own = buf.widened.rows_of(in, task.bh, row0, rows);
-            task.head.q = own.q;
-            task.head.k = own.k;
-            task.head.v = own.v;
-          }
+          use_widened_rows(in, buf.widened, task.bh, row0, rows, task.head);
           body(task, row0, rows, buf);
         }
       }
@@ -1168,7 +1171,7 @@ void blocked_backward(const AttentionInputs<T>& inputs, const AttentionBackwardT
 template <typename T>
 void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g) {
   TORCH_INTERNAL_ASSERT(!in.widen_in_tasks || (std::is_same_v<T, float>), "the tasks widen for float only");
-  if ((g.out != nullptr || g.source_out != nullptr) && g.grad_weights == nullptr) {
+  if ((g.out != nullptr || in.widen_in_tasks) && g.grad_weights == nullptr) {
     return blocked_backward(in, g);
   }
   TORCH_INTERNAL_ASSERT(in.half.q == nullptr && !in.widen_in_tasks,

@@ -58,6 +58,11 @@ inline void widen_rows(HalfKind kind, const uint16_t* src, int64_t ld, int64_t r
   }
 }
 
+// `rows` rows of n fp32 values, back to back, rounded to the half type `kind` into rows of row stride ld.
+inline void round_rows(HalfKind kind, const float* src, int64_t rows, int64_t n, uint16_t* dst, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) round_to_half(kind, src + r * n, dst + r * ld, n);
+}
+
 // One task's q, k and v in T when the tasks widen them (in.widen_in_tasks, from in.half_source): the keys and values of
 // one head at a time, widened when the task moves to another head (a head split among tasks is widened by each), and
 // the query rows of its current chunk, in place of the rows of a head's whole queries (row stride d_k, d_k and d_v as
@@ -141,10 +146,8 @@ class BackwardChunkRows {
   void done(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, int64_t rows) {
     if constexpr (std::is_same_v<T, float>) {
       if (in.widen_in_tasks && g.half_grad_q != nullptr) {
-        uint16_t* dst = head_row(g.half_grad_q, g.grad_q_stride, in.heads, bh_, row0_);
-        for (int64_t r = 0; r < rows; ++r) {
-          round_to_half(in.half_source.kind, grad_q_.data() + r * in.d_k, dst + r * g.grad_q_stride.row, in.d_k);
-        }
+        round_rows(in.half_source.kind, grad_q_.data(), rows, in.d_k,
+                   head_row(g.half_grad_q, g.grad_q_stride, in.heads, bh_, row0_), g.grad_q_stride.row);
       }
     }
   }
@@ -174,10 +177,8 @@ class OutputRows {
   void done(int64_t count) {
     if constexpr (std::is_same_v<T, float>) {
       if (out_.rounds_to_half && out_.half_out != nullptr) {
-        uint16_t* dst = head_row(out_.half_out, out_.out_stride, in_.heads, bh_, row0_);
-        for (int64_t r = 0; r < count; ++r) {
-          round_to_half(out_.half_out_kind, buffer_.data() + r * in_.d_v, dst + r * out_.out_stride.row, in_.d_v);
-        }
+        round_rows(out_.half_out_kind, buffer_.data(), count, in_.d_v,
+                   head_row(out_.half_out, out_.out_stride, in_.heads, bh_, row0_), out_.out_stride.row);
       }
     }
   }
