@@ -77,6 +77,37 @@ def test_widened_in_tasks_matches_the_oracle_and_float32(monkeypatch, dtype, lay
         assert torch.equal(t, copy)
 
 
+# (B, H, Lq, Lk, d): short rows; rows whose length is not a multiple of 16 values (row starts off 32-byte
+# boundaries); weights of 16 MiB and more in the half type, which the tasks stream to memory.
+KEPT_WEIGHT_SHAPES = {"short rows": (2, 3, 40, 37, 16), "odd rows": (1, 2, 130, 1031, 16),
+                      "streamed": (2, 4, 1031, 1031, 16)}
+
+
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+@pytest.mark.parametrize("shape", list(KEPT_WEIGHT_SHAPES))
+@pytest.mark.parametrize("mask_kind", ["none", "padding & causal"])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_kept_half_weights_are_the_float32_weights_rounded_once(monkeypatch, dtype, shape, mask_kind, dropout_p):
+    # The tasks round each weight row from float32 into the half-type weights: the same bits as rounding the
+    # float32 kernel's weights for the same values (and the same dropout draw), zeros included.
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
+    b, h, len_q, len_k, d = KEPT_WEIGHT_SHAPES[shape]
+    q, k = torch.randn(b, h, len_q, d, dtype=dtype), torch.randn(b, h, len_k, d, dtype=dtype)
+    v = torch.randn(b, h, len_k, d, dtype=dtype)
+    mask = mask_for(mask_kind, b, len_q, len_k)
+    torch.manual_seed(7)
+    out, weights = OPS.attention(q, k, v, mask, dropout_p, True, False)
+    torch.manual_seed(7)
+    out32, weights32 = OPS.attention(q.float(), k.float(), v.float(), mask, dropout_p, True, False)
+    assert weights.dtype == dtype and weights.shape == (b, h, len_q, len_k)
+    torch.testing.assert_close(weights, weights32.to(dtype), atol=0, rtol=0)
+    if dropout_p == 0:
+        _, ref_weights = oracle_attention(q.double(), k.double(), v.double(), mask)
+        assert_close(weights, ref_weights, dtype)
+    else:  # the dropped weights are exact zeros, where the float32 kernel's are
+        assert torch.equal(weights == 0, weights32 == 0)
+
+
 @pytest.mark.parametrize("dtype", HALF_TYPES)
 def test_non_finite_value_behind_the_padding_reaches_every_row(dtype):
     # A NaN value at a padded key: its weight is exactly 0 and 0 * NaN is NaN, so that column of every output row

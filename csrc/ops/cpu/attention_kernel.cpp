@@ -203,8 +203,10 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
   const bool half_output = dtype != acc;
   const bool widen_in_tasks = half_output && !half;
   auto output = empty_output({batch, heads, len_q, value.size(3)}, query, half_output ? query.options() : acc_options);
-  auto weights =
-      need_weights ? cpu::empty_large({batch, heads, len_q, len_k}, acc_options) : at::empty({0}, acc_options);
+  // Kept weights in a half type are rounded from fp32 row by row by the tasks.
+  auto weights = need_weights
+                     ? cpu::empty_large({batch, heads, len_q, len_k}, half_output ? query.options() : acc_options)
+                     : at::empty({0}, acc_options);
   auto logsumexp = at::empty({batch, heads, len_q}, acc_options);
   auto rng_state = dropout_p > 0 ? draw_rng_state() : at::zeros({2}, at::kLong);
   // The half-type operands: of the products, or of the tasks' widening. With half-type products the forward
@@ -220,12 +222,13 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
   AT_DISPATCH_FLOATING_TYPES(acc, "fastmha_cpu_attention_forward", [&] {
     auto in = kernel_inputs<scalar_t>(q, k, v, mask_view, dropout_p, is_causal, state[0], state[1], Pass::kForward);
     cpu::AttentionForwardOutputs<scalar_t> out{half_output ? nullptr : output.data_ptr<scalar_t>(),
-                                               need_weights ? weights.data_ptr<scalar_t>() : nullptr,
+                                               need_weights && !half_output ? weights.data_ptr<scalar_t>() : nullptr,
                                                logsumexp.data_ptr<scalar_t>(), strides3(output)};
     if (half_output) {
       out.half_out = static_cast<uint16_t*>(output.data_ptr());
       out.half_out_kind = dtype == at::kBFloat16 ? cpu::HalfKind::kBFloat16 : cpu::HalfKind::kFloat16;
       out.rounds_to_half = true;
+      out.half_weights = need_weights ? static_cast<uint16_t*>(weights.data_ptr()) : nullptr;
     }
     if (half) {
       in.half = half_inputs.view(half_mode == cpu::HalfGemmMode::kNative);

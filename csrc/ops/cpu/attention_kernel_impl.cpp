@@ -770,13 +770,25 @@ void online_forward(const AttentionInputs<T>& in, const AttentionForwardOutputs<
   });
 }
 
+// Row `first` (an element offset) of the half-type weights (out.half_weights) from a chunk's score row s.
+template <typename T>
+void write_half_weights(const AttentionForwardOutputs<T>& out, int64_t first, const T* s, const KeySpan& span,
+                        int64_t ld, T scale, bool streaming, T* row, uint16_t* bits) {
+  if constexpr (std::is_same_v<T, float>) {
+    write_half_weights_row(out.half_out_kind, out.half_weights + first, s, span.lo, span.hi, ld, scale, streaming, row,
+                           bits);
+  } else {
+    TORCH_INTERNAL_ASSERT(false, "half-type weights are rounded from float");
+  }
+}
+
 template <typename T>
 void forward_impl(const AttentionInputs<T>& inputs, const AttentionForwardOutputs<T>& out) {
   std::unique_ptr<uint16_t[]> packed_heads;
   TORCH_INTERNAL_ASSERT(!inputs.widen_in_tasks || (inputs.half.q == nullptr && std::is_same_v<T, float>),
                         "the tasks widen half-type operands only for products in float");
   const AttentionInputs<T> in = with_packed_heads(inputs, false, packed_heads);
-  if (out.weights == nullptr) {
+  if (!out.keeps_weights()) {
     return online_forward(in, out);
   }
   const int64_t chunk = std::min<int64_t>(query_chunk(in.len_k), std::max<int64_t>(in.len_q, 1));
@@ -785,8 +797,8 @@ void forward_impl(const AttentionInputs<T>& inputs, const AttentionForwardOutput
   const int64_t ld = in.len_k;
   // Weights beyond what the caches hold are streamed to memory (see weights_row.h).
   constexpr int64_t kStreamBytes = int64_t{16} << 20;
-  const bool stream_weights =
-      out.weights != nullptr && in.batch * in.heads * in.len_q * ld * int64_t(sizeof(T)) >= kStreamBytes;
+  const int64_t weight_bytes = out.half_weights != nullptr ? int64_t(sizeof(uint16_t)) : int64_t(sizeof(T));
+  const bool stream_weights = in.batch * in.heads * in.len_q * ld * weight_bytes >= kStreamBytes;
   for_each_task(tasks, head_grain(in, chunks), [&](const auto& claim) {
     const HalfProductsTask half_products(in.half.vnni);
     // Scores are computed in a task buffer, packed to the span's width, also when the weights are kept: they
@@ -796,6 +808,9 @@ void forward_impl(const AttentionInputs<T>& inputs, const AttentionForwardOutput
     WidenedHead<T> widened;
     OutputRows<T> output(in, out, chunk);
     std::vector<uint32_t> words;
+    // A row of half-type weights is written in T, then rounded.
+    std::vector<T> weights_row(out.half_weights != nullptr ? ld : 0);
+    std::vector<uint16_t> weights_bits(weights_row.size());
     for (int64_t begin, end; claim(begin, end);) {
       for (int64_t task = begin; task < end; ++task) {
         const auto [bh, row0, rows, first_row, head] = forward_chunk(in, task, chunks, chunk, widened);
@@ -815,8 +830,12 @@ void forward_impl(const AttentionInputs<T>& inputs, const AttentionForwardOutput
           if (in.dropout_p > 0) {
             at::vec::map2([](Vectorized<T> a, Vectorized<T> b) { return a * b; }, s, s, keep.data() + r * n, n);
           }
-          if (out.weights) {  // zeros at the keys no query of this chunk can see
+          // zeros at the keys no query of this chunk can see
+          if (out.weights != nullptr) {
             write_weights_row(out.weights + (first_row + r) * ld, s, span.lo, span.hi, ld, inv_sum[r], stream_weights);
+          } else {
+            write_half_weights(out, (first_row + r) * ld, s, span, ld, inv_sum[r], stream_weights, weights_row.data(),
+                               weights_bits.data());
           }
         }
         apply_values(in, head, first, score_ld, rows, span.lo, n, out_rows, out_ld, false);

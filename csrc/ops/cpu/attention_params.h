@@ -61,13 +61,17 @@ struct AttentionInputs {
 template <typename T>
 struct AttentionForwardOutputs {
   T* out;               // (B, H, Lq, d_v), rows of unit stride laid out by out_stride
-  T* weights;           // (B, H, Lq, Lk) contiguous, or nullptr when the weights are not kept
+  T* weights;           // (B, H, Lq, Lk) contiguous, or nullptr when the weights are not kept in T
   T* lse;               // (B, H, Lq) log-sum-exp of the masked, scaled scores
   Strides3 out_stride;  // of out
   // The output in a half type (out_stride), rounded from each task's T rows; out is then nullptr. T = float only.
   uint16_t* half_out = nullptr;
   HalfKind half_out_kind = HalfKind::kBFloat16;
   bool rounds_to_half = false;  // whether the output is half_out (nullptr where it is empty)
+  // The kept weights in the half type half_out_kind, (B, H, Lq, Lk) contiguous, each rounded once from its T value;
+  // weights is then nullptr. T = float only.
+  uint16_t* half_weights = nullptr;
+  bool keeps_weights() const { return weights != nullptr || half_weights != nullptr; }
 };
 
 // dK or dV as the backward's tasks write them: per split of a head's query chunks, partial sums that the caller

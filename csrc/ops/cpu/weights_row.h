@@ -12,10 +12,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+
+#include "ops/cpu/widened_rows.h"
 
 namespace fastmha::cpu {
 namespace CPU_CAPABILITY {
@@ -89,6 +92,30 @@ void write_weights_row(T* dst, const T* s, int64_t lo, int64_t hi, int64_t ld, T
   std::fill(dst, dst + lo, T(0));
   at::vec::map([scale](at::vec::Vectorized<T> v) { return v * at::vec::Vectorized<T>(scale); }, dst + lo, s, hi - lo);
   std::fill(dst + hi, dst + ld, T(0));
+}
+
+// dst[0, n) = src[0, n), whole 32-byte blocks of dst as non-temporal stores (AVX2) when `streaming`.
+inline void copy_half_row(uint16_t* dst, const uint16_t* src, int64_t n, bool streaming) {
+  int64_t j = 0;
+#if defined(__AVX2__)
+  if (streaming) {
+    for (; j < n && reinterpret_cast<uintptr_t>(dst + j) % 32 != 0; ++j) dst[j] = src[j];
+    for (; j + 16 <= n; j += 16) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + j),
+                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j)));
+    }
+  }
+#endif
+  std::memcpy(dst + j, src + j, static_cast<size_t>(n - j) * sizeof(uint16_t));
+}
+
+// One row of kept weights in the half type `kind`: the float row write_weights_row gives, each value rounded once
+// (the bits that rounding the float weights would give). row (ld floats) and bits (ld values) are scratch.
+inline void write_half_weights_row(HalfKind kind, uint16_t* dst, const float* s, int64_t lo, int64_t hi, int64_t ld,
+                                   float scale, bool streaming, float* row, uint16_t* bits) {
+  write_weights_row(row, s, lo, hi, ld, scale, false);
+  round_to_half(kind, row, bits, ld);
+  copy_half_row(dst, bits, ld, streaming);
 }
 
 // Orders this thread's non-temporal stores before what follows (the end of the parallel region).
