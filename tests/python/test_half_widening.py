@@ -104,8 +104,6 @@ def test_kept_half_weights_are_the_float32_weights_rounded_once(monkeypatch, dty
     if dropout_p == 0:
         _, ref_weights = oracle_attention(q.double(), k.double(), v.double(), mask)
         assert_close(weights, ref_weights, dtype)
-    else:  # the dropped weights are exact zeros, where the float32 kernel's are
-        assert torch.equal(weights == 0, weights32 == 0)
 
 
 @pytest.mark.parametrize("dtype", HALF_TYPES)

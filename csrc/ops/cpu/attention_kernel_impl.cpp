@@ -13,8 +13,8 @@
 // Work is split into (batch*head, query chunk) tasks that the threads take as they come free (task_queue.h).
 // A task computes its chunk's scores with a BLAS GEMM, then one vectorized pass per row does scale + mask +
 // softmax + log-sum-exp + dropout in place, and a second GEMM applies the weights to V. Scores live in a
-// per-task buffer of chunk x Lk (or directly in the weights output when it is kept): nothing of size Lq x Lk is
-// allocated otherwise. The backward recomputes each chunk's softmax from the saved log-sum-exp and regenerates the
+// per-task buffer of chunk x Lk (kept weights are written out from it): nothing of size Lq x Lk is allocated
+// otherwise. The backward recomputes each chunk's softmax from the saved log-sum-exp and regenerates the
 // dropout mask from the Philox (seed, offset); it splits each head's query chunks into ranges that run in
 // parallel (partial dK/dV per range, summed by the caller), so it scales even when batch*heads is small.
 #include <ATen/Parallel.h>

@@ -110,12 +110,17 @@ inline void copy_half_row(uint16_t* dst, const uint16_t* src, int64_t n, bool st
 }
 
 // One row of kept weights in the half type `kind`: the float row write_weights_row gives, each value rounded once
-// (the bits that rounding the float weights would give). row (ld floats) and bits (ld values) are scratch.
+// (the bits that rounding the float weights would give; a NaN may get another NaN's bits). row (ld floats) and
+// bits (ld values, for streaming) are scratch.
 inline void write_half_weights_row(HalfKind kind, uint16_t* dst, const float* s, int64_t lo, int64_t hi, int64_t ld,
                                    float scale, bool streaming, float* row, uint16_t* bits) {
   write_weights_row(row, s, lo, hi, ld, scale, false);
+  if (!streaming) {
+    round_to_half(kind, row, dst, ld);
+    return;
+  }
   round_to_half(kind, row, bits, ld);
-  copy_half_row(dst, bits, ld, streaming);
+  copy_half_row(dst, bits, ld, true);
 }
 
 // Orders this thread's non-temporal stores before what follows (the end of the parallel region).
