@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import assert_close
+from layouts import contiguous, heads_interleaved, strided_rows
 from oracle import oracle_attention
 
 OPS = torch.ops.fastmha
@@ -17,12 +18,8 @@ HALF_TYPES = [torch.bfloat16, torch.float16]
 
 
 def make(layout, b, h, length, d, dtype):
-    if layout == "contiguous":
-        return torch.randn(b, h, length, d, dtype=dtype)
-    if layout == "heads interleaved":  # the head split of a (B, L, H * d) projection
-        return torch.randn(b, length, h * d, dtype=dtype).view(b, length, h, d).transpose(1, 2)
-    # every other element of a wider tensor: rows are not of unit stride
-    return torch.randn(b, h, length, 2 * d, dtype=dtype)[..., ::2]
+    return {"contiguous": contiguous, "heads interleaved": heads_interleaved, "strided rows": strided_rows}[layout](
+        b, h, length, d, dtype)
 
 
 def padding_mask(b, len_q, len_k, kept, causal):

@@ -12,18 +12,12 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from conftest import TOLERANCES
+from layouts import contiguous
+from layouts import heads_interleaved as interleaved
 from oracle import oracle_attention
 from philox_reference import expected_keep
 
 OPS = torch.ops.fastmha
-
-
-def interleaved(b, h, length, d, dtype):
-    return torch.randn(b, length, h * d, dtype=dtype).view(b, length, h, d).transpose(1, 2)
-
-
-def contiguous(b, h, length, d, dtype):
-    return torch.randn(b, h, length, d, dtype=dtype)
 
 
 def expected_strides(t, heads_last):

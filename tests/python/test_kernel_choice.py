@@ -9,6 +9,7 @@ A forward and its backward may run on different kernels (the saved log-sum-exp m
 import pytest
 import torch
 from conftest import assert_close
+from layouts import RELAYOUTS, relaid
 from oracle import oracle_attention
 from torch.autograd import gradcheck
 
@@ -194,29 +195,18 @@ def test_stock_kernel_gradcheck_with_dead_rows(monkeypatch):
     assert gradcheck(f, (q, k, v))
 
 
-def layouts(t):
-    """The same values in memory layouts a caller may pass: the head dimension's stride is not 1 in most."""
-    wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
-    return {
-        "contiguous": t,
-        "transposed storage": t.transpose(-1, -2).contiguous().transpose(-1, -2),
-        "every other element": wide[..., ::2].copy_(t),
-        "heads outermost": t.transpose(0, 1).contiguous().transpose(0, 1),
-    }
-
-
-@pytest.mark.parametrize("layout", list(layouts(torch.zeros(1, 1))))
+@pytest.mark.parametrize("layout", RELAYOUTS)
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_stock_kernel_reads_any_layout(monkeypatch, layout, masked, is_causal):
     # torch's kernels assume a unit stride in the head dimension; the layer must hand them one.
     monkeypatch.setenv("FASTMHA_CPU_KERNELS", "stock")
     base = qkv(lq=13, lk=7, d=5, dtype=torch.float32)
-    q, k, v = (layouts(t)[layout].requires_grad_() for t in base)
+    q, k, v = (relaid(t, layout).requires_grad_() for t in base)
     mask = padding_mask(2, 7) if masked else None
     assert kernel_of(q, k, v, mask, need_weights=False, is_causal=is_causal) == "torch-cpu-flash"
     out, _ = torch.ops.fastmha.attention(q, k, v, mask, 0.0, False, is_causal)
-    grad = layouts(torch.randn_like(out))[layout]
+    grad = relaid(torch.randn_like(out), layout)
     grads = torch.autograd.grad(out, (q, k, v), grad)
 
     ref_inputs = [t.detach().double().requires_grad_() for t in base]
