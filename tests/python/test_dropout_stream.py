@@ -20,14 +20,17 @@ def test_reference_matches_the_published_known_answers():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("case", ["no mask", "padding", "causal", "padding and causal"])
-def test_cpu_kernel_draws_the_philox_stream(dtype, case):
+# Rows shorter than one Philox batch (64 words), exactly one, and longer; a chunk's rows of all keys are drawn in
+# one pass, a padded chunk's spans a row at a time.
+@pytest.mark.parametrize("lk", [301, 64, 40])
+def test_cpu_kernel_draws_the_philox_stream(dtype, case, lk):
     torch.manual_seed(0)
-    b, h, lq, lk, p = 2, 3, 37, 301, 0.4
+    b, h, lq, p = 2, 3, 37, 0.4
     q, k, v = torch.randn(b, h, lq, 8, dtype=dtype), torch.randn(b, h, lk, 8, dtype=dtype), torch.randn(
         b, h, lk, 8, dtype=dtype)
     mask = None
     if "padding" in case:  # the kernel computes only each chunk's visible keys; the draws stay put
-        mask = (torch.arange(lk)[None, :] < torch.tensor([29, 200])[:, None])[:, None, None, :]
+        mask = (torch.arange(lk)[None, :] < torch.tensor([29, lk * 2 // 3])[:, None])[:, None, None, :]
     _, weights, _, rng_state = torch.ops.fastmha._attention_forward(q, k, v, mask, p, True, "causal" in case)
     seed, offset = (int(x) % 2**64 for x in rng_state.tolist())
     keep = expected_keep(seed, offset, (b, h, lq, lk), p)
