@@ -14,4 +14,9 @@ BuildInfo build_info() {
 
 std::string cpu_capability() { return cpu::capability_name(); }
 
+bool cpu_native_products(const std::string& dtype) {
+  return (dtype == "bfloat16" && cpu::native_bfloat16_products()) ||
+         (dtype == "float16" && cpu::native_float16_products());
+}
+
 }  // namespace fastmha

@@ -16,6 +16,7 @@
 #include "ops/heads.h"
 #include "ops/projection_backward.h"
 #include "ops/unseen_keys.h"
+#include "ops/widened_products.h"
 
 namespace fastmha {
 
@@ -69,7 +70,7 @@ detail::MultiHeadAttentionForwardResult multi_head_attention_forward_kernel(
   check_block_inputs(query, key, value, w_q, w_k, w_v, w_o, num_heads, user_mask, dropout_p);
   // Read by split_key_rows and by one or two attention calls: converted to bool once.
   const std::optional<at::Tensor> mask = as_bool_mask(user_mask, query);
-  auto query_proj = at::linear(query, w_q);
+  auto query_proj = widened_linear(query, w_q);
   at::Tensor key_proj, value_proj;
   auto attend = [&] {
     return detail::attention_forward(split_heads(query_proj, num_heads), split_heads(key_proj, num_heads),
@@ -101,13 +102,13 @@ detail::MultiHeadAttentionForwardResult multi_head_attention_forward_kernel(
       core = attend();
     }
   } else {
-    key_proj = at::linear(key, w_k);
-    value_proj = at::linear(value, w_v);
+    key_proj = widened_linear(key, w_k);
+    value_proj = widened_linear(value, w_v);
     core = attend();
   }
   auto [heads_out, weights, logsumexp, rng_state] = *core;
   auto context = merge_heads(heads_out);
-  auto output = at::linear(context, w_o);
+  auto output = widened_linear(context, w_o);
   return {output, weights, query_proj, key_proj, value_proj, context, logsumexp, rng_state};
 }
 

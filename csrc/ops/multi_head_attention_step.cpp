@@ -2,7 +2,7 @@
 // earlier positions' projected keys and values. A step projects only the new positions (O(new) projections
 // instead of re-projecting the whole prefix) and attends with the new queries over cache + new keys, each new
 // position seeing keys up to itself (causal, aligned to the end of the cache).
-// It is composed of registered ops (linear, cat, fastmha::attention), so autograd, TorchScript and
+// It is composed of registered ops (linear, to, cat, fastmha::attention), so autograd, TorchScript and
 // torch.compile handle it through them.
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -11,6 +11,7 @@
 
 #include "ops/checks.h"
 #include "ops/heads.h"
+#include "ops/widened_products.h"
 
 namespace fastmha {
 namespace {
@@ -22,8 +23,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> multi_head_attention_step_impl(
   TORCH_CHECK(key_cache.has_value() == value_cache.has_value(),
               "fastmha: key_cache and value_cache must be given together");
   check_block_inputs(x, x, x, w_q, w_k, w_v, w_o, num_heads, std::nullopt, dropout_p);
-  auto keys = split_heads(at::linear(x, w_k), num_heads);
-  auto values = split_heads(at::linear(x, w_v), num_heads);
+  auto keys = split_heads(widened_linear(x, w_k), num_heads);
+  auto values = split_heads(widened_linear(x, w_v), num_heads);
   if (key_cache.has_value()) {
     TORCH_CHECK(key_cache->dim() == 4 && key_cache->sym_size(0) == keys.sym_size(0) &&
                     key_cache->sym_size(1) == keys.sym_size(1) && key_cache->sym_size(3) == keys.sym_size(3) &&
@@ -43,10 +44,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> multi_head_attention_step_impl(
   auto limits = at::arange(c10::Scalar(len_new), x.options().dtype(at::kLong)).add(c10::Scalar(len_total - len_new));
   auto visible = positions.unsqueeze(0).le(limits.unsqueeze(1));  // (T_new, T_total)
   auto combined = mask.has_value() ? at::logical_and(mask->ne(0), visible) : visible;
-  auto [heads_out, weights] = attention(split_heads(at::linear(x, w_q), num_heads), keys, values, combined, dropout_p,
-                                        /*need_weights=*/false, /*is_causal=*/false);
+  auto [heads_out, weights] =
+      attention(split_heads(widened_linear(x, w_q), num_heads), keys, values, combined, dropout_p,
+                /*need_weights=*/false, /*is_causal=*/false);
   auto merged = merge_heads(heads_out);
-  return {at::linear(merged, w_o), keys, values};
+  return {widened_linear(merged, w_o), keys, values};
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 
 #include "ops/heads.h"
 #include "ops/readable_on_cpu.h"
+#include "ops/widened_products.h"
 
 namespace fastmha {
 namespace {
@@ -48,7 +49,7 @@ std::pair<at::Tensor, at::Tensor> projection_backward(const at::Tensor& grad_y, 
                                                       const at::Tensor& weight) {
   const at::Tensor g = flatten_rows(grad_y), x_rows = flatten_rows(x);
   auto whole_products = [&]() -> std::pair<at::Tensor, at::Tensor> {
-    return {grad_y.matmul(weight), g.t().mm(x_rows)};
+    return {widened_matmul(grad_y, weight), widened_matmul(g.t(), x_rows)};
   };
   if (!readable_on_cpu(g) || !readable_on_cpu(x_rows) || !readable_on_cpu(weight) ||
       g.scalar_type() != x_rows.scalar_type()) {
@@ -66,8 +67,8 @@ std::pair<at::Tensor, at::Tensor> projection_backward(const at::Tensor& grad_y, 
   const at::Tensor index = at::tensor(needed, at::TensorOptions().dtype(at::kLong));
   const at::Tensor g_needed = g.index_select(0, index);
   at::Tensor grad_x = at::zeros({n, weight.size(1)}, x.options());
-  grad_x.index_copy_(0, index, g_needed.mm(weight));
-  return {grad_x.view(x.sizes()), g_needed.t().mm(x_rows.index_select(0, index))};
+  grad_x.index_copy_(0, index, widened_matmul(g_needed, weight));
+  return {grad_x.view(x.sizes()), widened_matmul(g_needed.t(), x_rows.index_select(0, index))};
 }
 
 }  // namespace fastmha

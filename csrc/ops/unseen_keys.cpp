@@ -9,6 +9,7 @@
 #include "ops/heads.h"
 #include "ops/masked_score.h"
 #include "ops/readable_on_cpu.h"
+#include "ops/widened_products.h"
 
 namespace fastmha {
 
@@ -39,7 +40,7 @@ std::optional<KeyRows> split_key_rows(const std::optional<at::Tensor>& mask, con
 }
 
 void project_rows_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& rows) {
-  out.view({-1, weight.size(0)}).index_copy_(0, rows, at::linear(flatten_rows(x).index_select(0, rows), weight));
+  out.view({-1, weight.size(0)}).index_copy_(0, rows, widened_linear(flatten_rows(x).index_select(0, rows), weight));
 }
 
 at::Tensor project_rows(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& rows) {

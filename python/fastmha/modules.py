@@ -6,7 +6,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import _C
 from ._projection_memo import ProjectionMemo, can_hold
+
+_HALF_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _projection(x: Tensor, weight: Tensor) -> Tensor:
+    """x W^T as the block's op computes it: a half type on a CPU that does not multiply it natively is widened to
+    float32 and the product rounded once (torch's half-type products there are several times slower)."""
+    name = _HALF_NAMES.get(x.dtype)
+    if x.device.type == "cpu" and name is not None and weight.dtype == x.dtype and not _C.cpu_native_products(name):
+        return F.linear(x.float(), weight.float()).to(x.dtype)
+    return F.linear(x, weight)
 
 
 class MultiHeadAttentionBlock(nn.Module):
@@ -146,7 +158,7 @@ class MultiHeadAttentionBlock(nn.Module):
 
         generator_state = torch.random.get_rng_state() if p > 0 and mask is not None else None
         heads_out, attention_weights, logsumexp, _ = torch.ops.fastmha._attention_forward(
-            split_heads(F.linear(q, w_q)), split_heads(projections[0]), split_heads(projections[1]), mask, p,
+            split_heads(_projection(q, w_q)), split_heads(projections[0]), split_heads(projections[1]), mask, p,
             self.need_weights, self.is_causal,
         )
         # Kept projections may leave out keys that no query sees: when these queries give such a key some
@@ -156,7 +168,7 @@ class MultiHeadAttentionBlock(nn.Module):
                 torch.random.set_rng_state(generator_state)
             return None
         context = heads_out.transpose(1, 2).reshape(q.shape[0], q.shape[1], self.d_model).contiguous()
-        return F.linear(context, w_o), attention_weights
+        return _projection(context, w_o), attention_weights
 
     @torch.jit.export
     def forward_step(

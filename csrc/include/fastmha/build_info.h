@@ -18,4 +18,8 @@ BuildInfo build_info();
 // The CPU kernel variant this process runs: "avx512", "avx2" or "default" (ATEN_CPU_CAPABILITY can lower it).
 std::string cpu_capability();
 
+// Whether this CPU multiplies "bfloat16" (AVX512-BF16, AMX-BF16) or "float16" (AVX512-FP16) natively; false for
+// other names. Where it does not, the block computes its projections in that type by widening them to fp32.
+bool cpu_native_products(const std::string& dtype);
+
 }  // namespace fastmha

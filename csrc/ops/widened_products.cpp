@@ -1,0 +1,29 @@
+#include "ops/widened_products.h"
+
+#include "ops/cpu/cpu_capability.h"
+
+namespace fastmha {
+
+bool widens_products(at::ScalarType dtype, const at::Device& device) {
+  if (!device.is_cpu()) {
+    return false;
+  }
+  return (dtype == at::kBFloat16 && !cpu::native_bfloat16_products()) ||
+         (dtype == at::kHalf && !cpu::native_float16_products());
+}
+
+at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight) {
+  if (!widens_products(x.scalar_type(), x.device()) || weight.scalar_type() != x.scalar_type()) {
+    return at::linear(x, weight);
+  }
+  return at::linear(x.to(at::kFloat), weight.to(at::kFloat)).to(x.scalar_type());
+}
+
+at::Tensor widened_matmul(const at::Tensor& a, const at::Tensor& b) {
+  if (!widens_products(a.scalar_type(), a.device()) || b.scalar_type() != a.scalar_type()) {
+    return at::matmul(a, b);
+  }
+  return at::matmul(a.to(at::kFloat), b.to(at::kFloat)).to(a.scalar_type());
+}
+
+}  // namespace fastmha

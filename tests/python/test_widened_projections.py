@@ -1,0 +1,94 @@
+"""The block's projections in bfloat16/float16 on a CPU that does not multiply the type natively are computed
+in fp32 from the half-type values and rounded once (torch's half-type products there are several times slower).
+Each product must then be the exact product rounded to the half type, within one rounding of the fp32 sum, forward
+(query, key, value and output projections, and the step op's) and backward (input and weight gradients, with
+the rows a padding mask zeroes skipped or not).
+"""
+
+import pytest
+import torch
+
+import fastmha
+from conftest import assert_close
+from oracle import OracleBlock
+
+HALF_TYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def assert_fp32_product(got, x, w):
+    """got = x W^T accumulated in fp32 from the half-type values and rounded once: within one unit in the last
+    place of the half type plus fp32's accumulation error bound (n * 2^-24 * sum of |terms|) of the exact
+    product. A sum accumulated in the half type would be off by about n * 2^-8 * sum of |terms|."""
+    exact = x.double() @ w.double().t()
+    terms = x.double().abs() @ w.double().abs().t()
+    ulp = 2.0 ** -7 if got.dtype == torch.bfloat16 else 2.0 ** -10
+    bound = ulp * exact.abs() + x.shape[-1] * 2.0 ** -24 * terms
+    assert got.dtype == x.dtype
+    excess = (got.double() - exact).abs() - bound
+    assert (excess <= 0).all(), f"max excess {excess.max().item():.3g}"
+
+
+def test_cpu_native_products_names_the_half_types():
+    for name in HALF_TYPES.values():
+        assert isinstance(fastmha._C.cpu_native_products(name), bool)
+    assert fastmha._C.cpu_native_products("float32") is False
+
+
+@pytest.mark.parametrize("dtype", list(HALF_TYPES))
+@pytest.mark.parametrize("masked", [False, True])
+def test_projections_are_the_exact_products_rounded_once(dtype, masked):
+    torch.manual_seed(0)
+    b, length, d_model, h = 2, 40, 256, 4
+    # Long dot products whose terms cancel: a half-type running sum would be many units off.
+    x = (torch.randn(b, length, d_model) * 8).to(dtype)
+    weights = [(torch.randn(d_model, d_model) / 16).to(dtype) for _ in range(4)]
+    mask = None
+    if masked:  # keys past each length are seen by no query: those key/value rows are left out
+        mask = (torch.arange(length)[None, :] < torch.tensor([length, 13])[:, None])[:, None, None, :]
+    output, _, query_proj, key_proj, value_proj, context, _, _ = torch.ops.fastmha._multi_head_attention_forward(
+        x, x, x, *weights, h, mask, 0.0, False, False)
+    assert_fp32_product(query_proj, x, weights[0])
+    seen = slice(None) if mask is None else mask[1, 0, 0]
+    assert_fp32_product(key_proj[1, seen], x[1, seen], weights[1])
+    assert_fp32_product(value_proj[1, seen], x[1, seen], weights[2])
+    assert_fp32_product(output, context, weights[3])
+
+
+@pytest.mark.parametrize("dtype", list(HALF_TYPES))
+@pytest.mark.parametrize("masked", [False, True])
+def test_block_gradients_match_the_oracle(dtype, masked):
+    torch.manual_seed(1)
+    b, length, d_model, h = 2, 24, 64, 4
+    block = fastmha.MultiHeadAttentionBlock(d_model, h, 0.0).to(dtype)
+    oracle = OracleBlock(d_model, h).double()
+    oracle.load_state_dict({k: v.double() for k, v in block.state_dict().items()})
+    x = torch.randn(b, length, d_model, dtype=dtype, requires_grad=True)
+    x_ref = x.detach().double().requires_grad_()
+    mask = None
+    if masked:  # padded queries get no gradient: their rows of dy are zero and skipped
+        mask = (torch.arange(length)[None, :] < torch.tensor([length, 5])[:, None])[:, None, None, :]
+    grad = torch.randn(b, length, d_model, dtype=dtype)
+    if masked:
+        grad[1, 5:] = 0
+    out = block(x, x, x, mask)
+    ref, _ = oracle(x_ref, x_ref, x_ref, mask)
+    assert out.dtype == dtype
+    assert_close(out, ref, dtype)
+    out.backward(grad)
+    ref.backward(grad.double())
+    assert_close(x.grad, x_ref.grad, dtype)
+    for name in ("w_q", "w_k", "w_v", "w_o"):
+        got, want = getattr(block, name).weight.grad, getattr(oracle, name).weight.grad
+        assert got.dtype == dtype
+        assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", list(HALF_TYPES))
+def test_step_projections_are_the_exact_products_rounded_once(dtype):
+    torch.manual_seed(2)
+    b, length, d_model, h = 1, 6, 128, 4
+    x = (torch.randn(b, length, d_model) * 8).to(dtype)
+    weights = [(torch.randn(d_model, d_model) / 16).to(dtype) for _ in range(4)]
+    _, keys, values = torch.ops.fastmha.multi_head_attention_step(x, *weights, h, None, None, None, 0.0)
+    assert_fp32_product(keys.transpose(1, 2).reshape(b, length, d_model), x, weights[1])
+    assert_fp32_product(values.transpose(1, 2).reshape(b, length, d_model), x, weights[2])
