@@ -7,6 +7,7 @@ the rows a padding mask zeroes skipped or not).
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import fastmha
 from conftest import assert_close
@@ -48,6 +49,9 @@ def test_projections_are_the_exact_products_rounded_once(dtype, masked):
     output, _, query_proj, key_proj, value_proj, context, _, _ = torch.ops.fastmha._multi_head_attention_forward(
         x, x, x, *weights, h, mask, 0.0, False, False)
     assert_fp32_product(query_proj, x, weights[0])
+    if not fastmha._C.cpu_native_products(HALF_TYPES[dtype]):  # widened: the fp32 product rounded, bit for bit
+        assert torch.equal(query_proj, F.linear(x.float(), weights[0].float()).to(dtype))
+        assert torch.equal(output, F.linear(context.float(), weights[3].float()).to(dtype))
     seen = slice(None) if mask is None else mask[1, 0, 0]
     assert_fp32_product(key_proj[1, seen], x[1, seen], weights[1])
     assert_fp32_product(value_proj[1, seen], x[1, seen], weights[2])
@@ -92,3 +96,18 @@ def test_step_projections_are_the_exact_products_rounded_once(dtype):
     _, keys, values = torch.ops.fastmha.multi_head_attention_step(x, *weights, h, None, None, None, 0.0)
     assert_fp32_product(keys.transpose(1, 2).reshape(b, length, d_model), x, weights[1])
     assert_fp32_product(values.transpose(1, 2).reshape(b, length, d_model), x, weights[2])
+
+
+def test_float16_is_not_widened_where_float32_products_may_round_to_bfloat16():
+    # Under matmul precision "medium" an fp32 product may round its operands to bfloat16, losing float16 bits:
+    # the projections stay torch's float16 products.
+    torch.manual_seed(3)
+    x = torch.randn(1, 8, 64, dtype=torch.float16)
+    weights = [torch.randn(64, 64, dtype=torch.float16) / 8 for _ in range(4)]
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium")
+        query_proj = torch.ops.fastmha._multi_head_attention_forward(x, x, x, *weights, 4, None, 0.0, False, False)[2]
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert torch.equal(query_proj, F.linear(x, weights[0]))
