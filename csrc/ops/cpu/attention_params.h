@@ -69,8 +69,7 @@ struct AttentionForwardOutputs {
   HalfKind half_out_kind = HalfKind::kBFloat16;
   bool rounds_to_half = false;  // whether the output is half_out (nullptr where it is empty)
   // The kept weights in the half type half_out_kind, (B, H, Lq, Lk) contiguous, each rounded once from its T value
-  // (a NaN may get another NaN's bits);
-  // weights is then nullptr. T = float only.
+  // (a NaN may get another NaN's bits); weights is then nullptr. T = float only.
   uint16_t* half_weights = nullptr;
   bool keeps_weights() const { return weights != nullptr || half_weights != nullptr; }
 };

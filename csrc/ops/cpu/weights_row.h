@@ -94,16 +94,14 @@ void write_weights_row(T* dst, const T* s, int64_t lo, int64_t hi, int64_t ld, T
   std::fill(dst + hi, dst + ld, T(0));
 }
 
-// dst[0, n) = src[0, n), whole 32-byte blocks of dst as non-temporal stores (AVX2) when `streaming`.
-inline void copy_half_row(uint16_t* dst, const uint16_t* src, int64_t n, bool streaming) {
+// dst[0, n) = src[0, n), whole 32-byte blocks of dst as non-temporal stores (AVX2).
+inline void stream_half_row(uint16_t* dst, const uint16_t* src, int64_t n) {
   int64_t j = 0;
 #if defined(__AVX2__)
-  if (streaming) {
-    for (; j < n && reinterpret_cast<uintptr_t>(dst + j) % 32 != 0; ++j) dst[j] = src[j];
-    for (; j + 16 <= n; j += 16) {
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + j),
-                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j)));
-    }
+  for (; j < n && reinterpret_cast<uintptr_t>(dst + j) % 32 != 0; ++j) dst[j] = src[j];
+  for (; j + 16 <= n; j += 16) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + j),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j)));
   }
 #endif
   std::memcpy(dst + j, src + j, static_cast<size_t>(n - j) * sizeof(uint16_t));
@@ -120,7 +118,7 @@ inline void write_half_weights_row(HalfKind kind, uint16_t* dst, const float* s,
     return;
   }
   round_to_half(kind, row, bits, ld);
-  copy_half_row(dst, bits, ld, true);
+  stream_half_row(dst, bits, ld);
 }
 
 // Orders this thread's non-temporal stores before what follows (the end of the parallel region).
