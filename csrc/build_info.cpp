@@ -1,8 +1,22 @@
 #include <fastmha/build_info.h>
 
+#include <c10/core/Device.h>
+
+#include <optional>
+
 #include "ops/cpu/cpu_capability.h"
+#include "ops/widened_products.h"
 
 namespace fastmha {
+namespace {
+
+std::optional<c10::ScalarType> half_type_named(const std::string& name) {
+  if (name == "bfloat16") return c10::kBFloat16;
+  if (name == "float16") return c10::kHalf;
+  return std::nullopt;
+}
+
+}  // namespace
 
 BuildInfo build_info() {
 #ifdef FASTMHA_WITH_CUDA
@@ -15,8 +29,13 @@ BuildInfo build_info() {
 std::string cpu_capability() { return cpu::capability_name(); }
 
 bool cpu_native_products(const std::string& dtype) {
-  return (dtype == "bfloat16" && cpu::native_bfloat16_products()) ||
-         (dtype == "float16" && cpu::native_float16_products());
+  const auto type = half_type_named(dtype);
+  return type.has_value() && cpu::native_products(*type);
+}
+
+bool cpu_widens_products(const std::string& dtype) {
+  const auto type = half_type_named(dtype);
+  return type.has_value() && widens_products(*type, c10::Device(c10::kCPU));
 }
 
 }  // namespace fastmha

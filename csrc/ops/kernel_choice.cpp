@@ -68,8 +68,7 @@ KernelChoice choose_cpu(const AttentionCall& call) {
   // visible, float32).
   const auto dtype = call.query.scalar_type();
   const bool half = dtype == at::kBFloat16 || dtype == at::kHalf;
-  const bool native_half = (dtype == at::kBFloat16 && cpu::native_bfloat16_products()) ||
-                           (dtype == at::kHalf && cpu::native_float16_products());
+  const bool native_half = cpu::native_products(dtype);
   const double span = call.mask.has_value()
                           ? cpu::computed_key_fraction(*call.mask, call.query.size(0), call.query.size(1),
                                                        call.query.size(2), call.key.size(2))

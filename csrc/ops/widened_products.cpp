@@ -12,9 +12,8 @@ bool widens_products(at::ScalarType dtype, const at::Device& device) {
   }
   // Under float32 matmul precision "medium" torch may round fp32 operands to bfloat16, which float16 values do
   // not survive (bfloat16 values do).
-  return (dtype == at::kBFloat16 && !cpu::native_bfloat16_products()) ||
-         (dtype == at::kHalf && !cpu::native_float16_products() &&
-          at::globalContext().float32MatmulPrecision() != at::Float32MatmulPrecision::MEDIUM);
+  return (dtype == at::kBFloat16 || dtype == at::kHalf) && !cpu::native_products(dtype) &&
+         !(dtype == at::kHalf && at::globalContext().float32MatmulPrecision() == at::Float32MatmulPrecision::MEDIUM);
 }
 
 at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight) {

@@ -14,12 +14,10 @@ _HALF_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 def _projection(x: Tensor, weight: Tensor) -> Tensor:
     """x W^T as the block's op computes it: a half type on a CPU that does not multiply it natively is widened to
-    float32 and the product rounded once (torch's half-type products there are several times slower)."""
+    float32 and the product rounded once (torch's half-type products there are several times slower). The rule is
+    the op's own, from _C.cpu_widens_products."""
     name = _HALF_NAMES.get(x.dtype)
-    # Under matmul precision "medium" float32 products may round their operands to bfloat16: float16 stays as is.
-    reduced = name == "float16" and torch.get_float32_matmul_precision() == "medium"
-    if (x.device.type == "cpu" and name is not None and weight.dtype == x.dtype and not reduced
-            and not _C.cpu_native_products(name)):
+    if x.device.type == "cpu" and name is not None and weight.dtype == x.dtype and _C.cpu_widens_products(name):
         return F.linear(x.float(), weight.float()).to(x.dtype)
     return F.linear(x, weight)
 

@@ -35,6 +35,19 @@ def test_cpu_native_products_names_the_half_types():
     assert fastmha._C.cpu_native_products("float32") is False
 
 
+def test_cpu_widens_products_where_the_cpu_lacks_native_products():
+    previous = torch.get_float32_matmul_precision()
+    try:
+        for precision in ("highest", "high", "medium"):
+            torch.set_float32_matmul_precision(precision)
+            assert fastmha._C.cpu_widens_products("bfloat16") is not fastmha._C.cpu_native_products("bfloat16")
+            float16_widened = precision != "medium" and not fastmha._C.cpu_native_products("float16")
+            assert fastmha._C.cpu_widens_products("float16") is float16_widened
+            assert fastmha._C.cpu_widens_products("float32") is False
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
 @pytest.mark.parametrize("dtype", list(HALF_TYPES))
 @pytest.mark.parametrize("masked", [False, True])
 def test_projections_are_the_exact_products_rounded_once(dtype, masked):
@@ -49,7 +62,7 @@ def test_projections_are_the_exact_products_rounded_once(dtype, masked):
     output, _, query_proj, key_proj, value_proj, context, _, _ = torch.ops.fastmha._multi_head_attention_forward(
         x, x, x, *weights, h, mask, 0.0, False, False)
     assert_fp32_product(query_proj, x, weights[0])
-    if not fastmha._C.cpu_native_products(HALF_TYPES[dtype]):  # widened: the fp32 product rounded, bit for bit
+    if fastmha._C.cpu_widens_products(HALF_TYPES[dtype]):  # widened: the fp32 product rounded, bit for bit
         assert torch.equal(query_proj, F.linear(x.float(), weights[0].float()).to(dtype))
         assert torch.equal(output, F.linear(context.float(), weights[3].float()).to(dtype))
     seen = slice(None) if mask is None else mask[1, 0, 0]

@@ -74,4 +74,8 @@ bool native_float16_products() {
 #endif
 }
 
+bool native_products(c10::ScalarType dtype) {
+  return (dtype == c10::kBFloat16 && native_bfloat16_products()) || (dtype == c10::kHalf && native_float16_products());
+}
+
 }  // namespace fastmha::cpu

@@ -2,6 +2,8 @@
 // ATEN_CPU_CAPABILITY (default, avx2, avx512), the variable torch itself honours.
 #pragma once
 
+#include <c10/core/ScalarType.h>
+
 #include <cstdint>
 #include <string>
 
@@ -15,8 +17,10 @@ std::string capability_name();
 // Whether the processor multiplies bfloat16 / float16 natively (AVX512-BF16 or AMX-BF16; AVX512-FP16), which
 // torch's CPU kernels use and fastmha's (which widen half types to fp32) do not.
 bool native_bfloat16_products();
+bool native_float16_products();
+// The two above by type: whether the processor multiplies `dtype` natively (false for any other type).
+bool native_products(c10::ScalarType dtype);
 // The L2 cache of one core in bytes, as the C library reports it (1 MiB when it reports nothing).
 int64_t l2_cache_bytes();
-bool native_float16_products();
 
 }  // namespace fastmha::cpu
