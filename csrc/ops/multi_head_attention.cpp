@@ -70,8 +70,7 @@ detail::MultiHeadAttentionForwardResult multi_head_attention_forward_kernel(
   check_block_inputs(query, key, value, w_q, w_k, w_v, w_o, num_heads, user_mask, dropout_p);
   // Read by split_key_rows and by one or two attention calls: converted to bool once.
   const std::optional<at::Tensor> mask = as_bool_mask(user_mask, query);
-  auto query_proj = widened_linear(query, w_q);
-  at::Tensor key_proj, value_proj;
+  at::Tensor query_proj, key_proj, value_proj;
   auto attend = [&] {
     return detail::attention_forward(split_heads(query_proj, num_heads), split_heads(key_proj, num_heads),
                                      split_heads(value_proj, num_heads), mask, dropout_p, need_weights, is_causal);
@@ -81,6 +80,7 @@ detail::MultiHeadAttentionForwardResult multi_head_attention_forward_kernel(
   if (const auto rows = split_key_rows(mask, key, value, is_causal);
       rows.has_value() && projection_surely_finite(key, w_k, rows->unseen) &&
       projection_surely_finite(value, w_v, rows->unseen)) {
+    query_proj = widened_linear(query, w_q);
     // A second run draws the same dropout as the first: the CPU generator is put back as it was.
     at::Generator generator = at::detail::getDefaultCPUGenerator();
     at::Tensor generator_state;
@@ -102,8 +102,12 @@ detail::MultiHeadAttentionForwardResult multi_head_attention_forward_kernel(
       core = attend();
     }
   } else {
-    key_proj = widened_linear(key, w_k);
-    value_proj = widened_linear(value, w_v);
+    {
+      WidenedInputs inputs({query, key, value});  // gone before the attention
+      query_proj = widened_linear(query, w_q, inputs);
+      key_proj = widened_linear(key, w_k, inputs);
+      value_proj = widened_linear(value, w_v, inputs);
+    }
     core = attend();
   }
   auto [heads_out, weights, logsumexp, rng_state] = *core;
@@ -119,15 +123,17 @@ detail::MultiHeadAttentionBackwardResult multi_head_attention_backward_kernel(
     const at::Tensor& context, const at::Tensor& logsumexp, const at::Tensor& rng_state, int64_t num_heads,
     const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal) {
   // output = context @ w_o^T
-  auto [grad_context, grad_w_o] = projection_backward(grad_output, context, w_o);
+  WidenedInputs no_inputs({});
+  auto [grad_context, grad_w_o] = projection_backward(grad_output, context, w_o, no_inputs);
   auto [grad_q_heads, grad_k_heads, grad_v_heads] =
       detail::attention_backward(split_heads(grad_context, num_heads), grad_weights, split_heads(query_proj, num_heads),
                                  split_heads(key_proj, num_heads), split_heads(value_proj, num_heads), mask,
                                  split_heads(context, num_heads), logsumexp, rng_state, dropout_p, is_causal);
   // x_proj = x @ w_x^T for x in (query, key, value)
-  auto [grad_query, grad_w_q] = projection_backward(merge_heads(grad_q_heads), query, w_q);
-  auto [grad_key, grad_w_k] = projection_backward(merge_heads(grad_k_heads), key, w_k);
-  auto [grad_value, grad_w_v] = projection_backward(merge_heads(grad_v_heads), value, w_v);
+  WidenedInputs inputs({query, key, value});
+  auto [grad_query, grad_w_q] = projection_backward(merge_heads(grad_q_heads), query, w_q, inputs);
+  auto [grad_key, grad_w_k] = projection_backward(merge_heads(grad_k_heads), key, w_k, inputs);
+  auto [grad_value, grad_w_v] = projection_backward(merge_heads(grad_v_heads), value, w_v, inputs);
   return {grad_query, grad_key, grad_value, grad_w_q, grad_w_k, grad_w_v, grad_w_o};
 }
 

@@ -43,13 +43,27 @@ std::vector<int64_t> rows_to_compute(const at::Tensor& g, const at::Tensor& x) {
   return indices;
 }
 
+// (g W, g^T x) for rows g (n x d_out) and x (n x d_in); with `widen`, g widened once for both products.
+std::pair<at::Tensor, at::Tensor> row_products(const at::Tensor& g, const at::Tensor& x_rows, const at::Tensor& weight,
+                                               bool widen) {
+  if (!widen) {
+    return {at::matmul(g, weight), at::matmul(g.t(), x_rows)};
+  }
+  const auto dtype = g.scalar_type();
+  const at::Tensor wide_g = g.to(at::kFloat);
+  return {at::matmul(wide_g, weight.to(at::kFloat)).to(dtype), at::matmul(wide_g.t(), x_rows.to(at::kFloat)).to(dtype)};
+}
+
 }  // namespace
 
 std::pair<at::Tensor, at::Tensor> projection_backward(const at::Tensor& grad_y, const at::Tensor& x,
-                                                      const at::Tensor& weight) {
+                                                      const at::Tensor& weight, WidenedInputs& inputs) {
   const at::Tensor g = flatten_rows(grad_y), x_rows = flatten_rows(x);
+  const auto dtype = g.scalar_type();
+  const bool widen = widens_products(dtype, g.device()) && x.scalar_type() == dtype && weight.scalar_type() == dtype;
   auto whole_products = [&]() -> std::pair<at::Tensor, at::Tensor> {
-    return {widened_matmul(grad_y, weight), widened_matmul(g.t(), x_rows)};
+    auto [grad_x, grad_w] = row_products(g, widen ? flatten_rows(inputs.get(x)) : x_rows, weight, widen);
+    return {grad_x.view(x.sizes()), grad_w};
   };
   if (!readable_on_cpu(g) || !readable_on_cpu(x_rows) || !readable_on_cpu(weight) ||
       g.scalar_type() != x_rows.scalar_type()) {
@@ -67,8 +81,9 @@ std::pair<at::Tensor, at::Tensor> projection_backward(const at::Tensor& grad_y, 
   const at::Tensor index = at::tensor(needed, at::TensorOptions().dtype(at::kLong));
   const at::Tensor g_needed = g.index_select(0, index);
   at::Tensor grad_x = at::zeros({n, weight.size(1)}, x.options());
-  grad_x.index_copy_(0, index, widened_matmul(g_needed, weight));
-  return {grad_x.view(x.sizes()), widened_matmul(g_needed.t(), x_rows.index_select(0, index))};
+  auto [grad_x_needed, grad_w] = row_products(g_needed, x_rows.index_select(0, index), weight, widen);
+  grad_x.index_copy_(0, index, grad_x_needed);
+  return {grad_x.view(x.sizes()), grad_w};
 }
 
 }  // namespace fastmha

@@ -5,6 +5,8 @@
 
 #include <utility>
 
+#include "ops/widened_products.h"
+
 namespace fastmha {
 
 // (d(x), dW) for y = x W^T: d(x) = dy W and dW = dy^T x, with x and dy of shape (batch, L, features) and W
@@ -15,7 +17,10 @@ namespace fastmha {
 // nothing to dW and has a zero row of d(x), so on CPU the products run over the other rows only, when they are at
 // most 3/4 of all. A zero row of dy still counts where the math gives NaN: when x's row or W holds an infinity or
 // a NaN (0 * inf).
+//
+// Where the products are widened (ops/widened_products.h), dy is widened once for both, and x's copy comes from
+// `inputs`.
 std::pair<at::Tensor, at::Tensor> projection_backward(const at::Tensor& grad_y, const at::Tensor& x,
-                                                      const at::Tensor& weight);
+                                                      const at::Tensor& weight, WidenedInputs& inputs);
 
 }  // namespace fastmha

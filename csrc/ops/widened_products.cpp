@@ -2,9 +2,18 @@
 
 #include <ATen/Context.h>
 
+#include <algorithm>
+
 #include "ops/cpu/cpu_capability.h"
 
 namespace fastmha {
+namespace {
+
+bool widened(const at::Tensor& x, const at::Tensor& weight) {
+  return widens_products(x.scalar_type(), x.device()) && weight.scalar_type() == x.scalar_type();
+}
+
+}  // namespace
 
 bool widens_products(at::ScalarType dtype, const at::Device& device) {
   if (!device.is_cpu()) {
@@ -16,18 +25,40 @@ bool widens_products(at::ScalarType dtype, const at::Device& device) {
          !(dtype == at::kHalf && at::globalContext().float32MatmulPrecision() == at::Float32MatmulPrecision::MEDIUM);
 }
 
-at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight) {
-  if (!widens_products(x.scalar_type(), x.device()) || weight.scalar_type() != x.scalar_type()) {
-    return at::linear(x, weight);
+WidenedInputs::WidenedInputs(const std::vector<at::Tensor>& inputs) {
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const auto same = [&](const at::Tensor& t) { return t.is_same(inputs[i]); };
+    if (std::any_of(inputs.begin() + i + 1, inputs.end(), same) &&
+        std::none_of(repeated_.begin(), repeated_.end(), same)) {
+      repeated_.push_back(inputs[i]);
+    }
   }
-  return at::linear(x.to(at::kFloat), weight.to(at::kFloat)).to(x.scalar_type());
 }
 
-at::Tensor widened_matmul(const at::Tensor& a, const at::Tensor& b) {
-  if (!widens_products(a.scalar_type(), a.device()) || b.scalar_type() != a.scalar_type()) {
-    return at::matmul(a, b);
+at::Tensor WidenedInputs::get(const at::Tensor& t) {
+  if (!widens_products(t.scalar_type(), t.device())) {
+    return t;
   }
-  return at::matmul(a.to(at::kFloat), b.to(at::kFloat)).to(a.scalar_type());
+  for (const auto& [input, copy] : copies_) {
+    if (input.is_same(t)) return copy;
+  }
+  at::Tensor copy = t.to(at::kFloat);
+  if (std::any_of(repeated_.begin(), repeated_.end(), [&](const at::Tensor& r) { return r.is_same(t); })) {
+    copies_.emplace_back(t, copy);
+  }
+  return copy;
+}
+
+at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight) {
+  WidenedInputs none({});
+  return widened_linear(x, weight, none);
+}
+
+at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight, WidenedInputs& inputs) {
+  if (!widened(x, weight)) {
+    return at::linear(x, weight);
+  }
+  return at::linear(inputs.get(x), weight.to(at::kFloat)).to(x.scalar_type());
 }
 
 }  // namespace fastmha

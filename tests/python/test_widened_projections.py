@@ -124,3 +124,27 @@ def test_float16_is_not_widened_where_float32_products_may_round_to_bfloat16():
     finally:
         torch.set_float32_matmul_precision(previous)
     assert torch.equal(query_proj, F.linear(x, weights[0]))
+
+
+@pytest.mark.parametrize("dtype", list(HALF_TYPES))
+def test_one_tensor_as_query_key_and_value_gives_the_bits_of_three(dtype):
+    # Self-attention's one input is widened once for its three projections, forward and backward: the products
+    # must be the ones three separate inputs get, bit for bit.
+    torch.manual_seed(4)
+    b, length, d_model, h = 2, 33, 64, 4
+    block = fastmha.MultiHeadAttentionBlock(d_model, h, 0.0).to(dtype)
+    x = torch.randn(b, length, d_model, dtype=dtype)
+    grad = torch.randn(b, length, d_model, dtype=dtype)
+    shared = x.clone().requires_grad_()
+    out_shared = block(shared, shared, shared, None)
+    out_shared.backward(grad)
+    weight_grads = [getattr(block, name).weight.grad.clone() for name in ("w_q", "w_k", "w_v", "w_o")]
+    block.zero_grad(set_to_none=True)
+    inputs = [x.clone().requires_grad_() for _ in range(3)]
+    out_three = block(*inputs, None)
+    out_three.backward(grad)
+    assert torch.equal(out_shared, out_three)
+    for name, got in zip(("w_q", "w_k", "w_v", "w_o"), weight_grads):
+        assert torch.equal(got, getattr(block, name).weight.grad), name
+    # Autograd adds the shared input's three gradients in the half type.
+    assert torch.equal(shared.grad, inputs[0].grad + inputs[1].grad + inputs[2].grad)
