@@ -63,7 +63,7 @@ std::pair<at::Tensor, at::Tensor> projection_backward(const at::Tensor& grad_y, 
   const bool widen = widens_products(dtype, g.device()) && x.scalar_type() == dtype && weight.scalar_type() == dtype;
   auto whole_products = [&]() -> std::pair<at::Tensor, at::Tensor> {
     auto [grad_x, grad_w] = row_products(g, widen ? flatten_rows(inputs.get(x)) : x_rows, weight, widen);
-    return {grad_x.view(x.sizes()), grad_w};
+    return {grad_x.view_symint(x.sym_sizes()), grad_w};
   };
   if (!readable_on_cpu(g) || !readable_on_cpu(x_rows) || !readable_on_cpu(weight) ||
       g.scalar_type() != x_rows.scalar_type()) {
