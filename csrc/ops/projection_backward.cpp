@@ -43,15 +43,20 @@ std::vector<int64_t> rows_to_compute(const at::Tensor& g, const at::Tensor& x) {
   return indices;
 }
 
-// (g W, g^T x) for rows g (n x d_out) and x (n x d_in); with `widen`, g widened once for both products.
-std::pair<at::Tensor, at::Tensor> row_products(const at::Tensor& g, const at::Tensor& x_rows, const at::Tensor& weight,
+// (g W, g^T x) for rows g (n x d_out) and x (n x d_in), x's rows from `x_rows()`, asked for after the first product
+// (its temporaries gone) so that no copy outlives its product; with `widen`, g widened once for both.
+template <typename XRows>
+std::pair<at::Tensor, at::Tensor> row_products(const at::Tensor& g, XRows x_rows, const at::Tensor& weight,
                                                bool widen) {
   if (!widen) {
-    return {at::matmul(g, weight), at::matmul(g.t(), x_rows)};
+    at::Tensor grad_x = at::matmul(g, weight);
+    return {grad_x, at::matmul(g.t(), x_rows())};
   }
   const auto dtype = g.scalar_type();
   const at::Tensor wide_g = g.to(at::kFloat);
-  return {at::matmul(wide_g, weight.to(at::kFloat)).to(dtype), at::matmul(wide_g.t(), x_rows.to(at::kFloat)).to(dtype)};
+  at::Tensor grad_x = at::matmul(wide_g, weight.to(at::kFloat)).to(dtype);
+  at::Tensor grad_w = at::matmul(wide_g.t(), x_rows().to(at::kFloat)).to(dtype);
+  return {grad_x, grad_w};
 }
 
 }  // namespace
@@ -62,7 +67,8 @@ std::pair<at::Tensor, at::Tensor> projection_backward(const at::Tensor& grad_y, 
   const auto dtype = g.scalar_type();
   const bool widen = widens_products(dtype, g.device()) && x.scalar_type() == dtype && weight.scalar_type() == dtype;
   auto whole_products = [&]() -> std::pair<at::Tensor, at::Tensor> {
-    auto [grad_x, grad_w] = row_products(g, widen ? flatten_rows(inputs.get(x)) : x_rows, weight, widen);
+    auto [grad_x, grad_w] = row_products(
+        g, [&] { return widen ? flatten_rows(inputs.get(x)) : x_rows; }, weight, widen);
     return {grad_x.view_symint(x.sym_sizes()), grad_w};
   };
   if (!readable_on_cpu(g) || !readable_on_cpu(x_rows) || !readable_on_cpu(weight) ||
@@ -81,7 +87,8 @@ std::pair<at::Tensor, at::Tensor> projection_backward(const at::Tensor& grad_y, 
   const at::Tensor index = at::tensor(needed, at::TensorOptions().dtype(at::kLong));
   const at::Tensor g_needed = g.index_select(0, index);
   at::Tensor grad_x = at::zeros({n, weight.size(1)}, x.options());
-  auto [grad_x_needed, grad_w] = row_products(g_needed, x_rows.index_select(0, index), weight, widen);
+  auto [grad_x_needed, grad_w] = row_products(
+      g_needed, [&] { return x_rows.index_select(0, index); }, weight, widen);
   grad_x.index_copy_(0, index, grad_x_needed);
   return {grad_x.view(x.sizes()), grad_w};
 }

@@ -18,8 +18,8 @@ namespace fastmha {
 // most 3/4 of all. A zero row of dy still counts where the math gives NaN: when x's row or W holds an infinity or
 // a NaN (0 * inf).
 //
-// Where the products are widened (ops/widened_products.h), dy is widened once for both, and x's copy comes from
-// `inputs`.
+// Where the products are widened (ops/widened_products.h), dy (or its gathered rows) is widened once for both, and
+// the whole products take x's copy from `inputs`.
 std::pair<at::Tensor, at::Tensor> projection_backward(const at::Tensor& grad_y, const at::Tensor& x,
                                                       const at::Tensor& weight, WidenedInputs& inputs);
 
