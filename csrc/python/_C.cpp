@@ -22,8 +22,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("cpu_capability", &fastmha::cpu_capability, "CPU kernel variant in use: avx512, avx2 or default");
   m.def("cpu_native_products", &fastmha::cpu_native_products,
         "Whether this CPU multiplies 'bfloat16' or 'float16' natively");
-  m.def("cpu_widens_products", &fastmha::cpu_widens_products,
-        "Whether the block's 'bfloat16' or 'float16' projections on this CPU are fp32 products rounded once");
+  m.def("cpu_widens_products", &fastmha::cpu_widens_products, py::arg("dtype"), py::arg("rows"),
+        "Whether the block's 'bfloat16' or 'float16' projections of `rows` rows on this CPU are fp32 products "
+        "rounded once");
   m.def("release_cpu_buffers", &fastmha::release_cpu_buffers, "Frees the large CPU buffers kept for reuse");
   m.def("cached_cpu_buffer_bytes", &fastmha::cached_cpu_buffer_bytes, "Bytes held in CPU buffers kept for reuse");
 }

@@ -14,10 +14,11 @@ _HALF_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 def _projection(x: Tensor, weight: Tensor) -> Tensor:
     """x W^T as the block's op computes it: a half type on a CPU that does not multiply it natively is widened to
-    float32 and the product rounded once (torch's half-type products there are several times slower). The rule is
-    the op's own, from _C.cpu_widens_products."""
+    float32 and the product rounded once (torch's half-type products there are several times slower), except for
+    a few rows. The rule is the op's own, from _C.cpu_widens_products."""
     name = _HALF_NAMES.get(x.dtype)
-    if x.device.type == "cpu" and name is not None and weight.dtype == x.dtype and _C.cpu_widens_products(name):
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if x.device.type == "cpu" and name is not None and weight.dtype == x.dtype and _C.cpu_widens_products(name, rows):
         return F.linear(x.float(), weight.float()).to(x.dtype)
     return F.linear(x, weight)
 

@@ -40,10 +40,12 @@ def test_cpu_widens_products_where_the_cpu_lacks_native_products():
     try:
         for precision in ("highest", "high", "medium"):
             torch.set_float32_matmul_precision(precision)
-            assert fastmha._C.cpu_widens_products("bfloat16") is not fastmha._C.cpu_native_products("bfloat16")
+            assert fastmha._C.cpu_widens_products("bfloat16", 64) is not fastmha._C.cpu_native_products("bfloat16")
             float16_widened = precision != "medium" and not fastmha._C.cpu_native_products("float16")
-            assert fastmha._C.cpu_widens_products("float16") is float16_widened
-            assert fastmha._C.cpu_widens_products("float32") is False
+            assert fastmha._C.cpu_widens_products("float16", 64) is float16_widened
+            assert fastmha._C.cpu_widens_products("float32", 64) is False
+            for name in HALF_TYPES.values():  # a decoding step's token stays in the half type
+                assert fastmha._C.cpu_widens_products(name, 1) is False
     finally:
         torch.set_float32_matmul_precision(previous)
 
@@ -62,7 +64,7 @@ def test_projections_are_the_exact_products_rounded_once(dtype, masked):
     output, _, query_proj, key_proj, value_proj, context, _, _ = torch.ops.fastmha._multi_head_attention_forward(
         x, x, x, *weights, h, mask, 0.0, False, False)
     assert_fp32_product(query_proj, x, weights[0])
-    if fastmha._C.cpu_widens_products(HALF_TYPES[dtype]):  # widened: the fp32 product rounded, bit for bit
+    if fastmha._C.cpu_widens_products(HALF_TYPES[dtype], b * length):  # widened: the fp32 product rounded, bit for bit
         assert torch.equal(query_proj, F.linear(x.float(), weights[0].float()).to(dtype))
         assert torch.equal(output, F.linear(context.float(), weights[3].float()).to(dtype))
     seen = slice(None) if mask is None else mask[1, 0, 0]
@@ -148,3 +150,22 @@ def test_one_tensor_as_query_key_and_value_gives_the_bits_of_three(dtype):
         assert torch.equal(got, getattr(block, name).weight.grad), name
     # Autograd adds the shared input's three gradients in the half type.
     assert torch.equal(shared.grad, inputs[0].grad + inputs[1].grad + inputs[2].grad)
+
+
+@pytest.mark.parametrize("dtype", list(HALF_TYPES))
+@pytest.mark.parametrize("rows", [1, 3, 5, 6, 7])
+def test_a_few_rows_are_torch_products_and_more_are_widened(dtype, rows):
+    # A decoding step of one token (or a few) keeps torch's half-type product, which multiplies so few rows faster
+    # than widening the whole weight; both accumulate in fp32.
+    torch.manual_seed(5)
+    d_model, h = 128, 4
+    x = (torch.randn(1, rows, d_model) * 8).to(dtype)
+    weights = [(torch.randn(d_model, d_model) / 16).to(dtype) for _ in range(4)]
+    _, keys, _ = torch.ops.fastmha.multi_head_attention_step(x, *weights, h, None, None, None, 0.0)
+    key_rows = keys.transpose(1, 2).reshape(1, rows, d_model)
+    assert_fp32_product(key_rows, x, weights[1])
+    if fastmha._C.cpu_widens_products(HALF_TYPES[dtype], rows):
+        assert rows >= 6
+        assert torch.equal(key_rows, F.linear(x.float(), weights[1].float()).to(dtype))
+    else:
+        assert torch.equal(key_rows, F.linear(x, weights[1]))

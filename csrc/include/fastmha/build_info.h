@@ -22,9 +22,10 @@ std::string cpu_capability();
 // other names. Where it does not, the block computes its projections in that type by widening them to fp32.
 bool cpu_native_products(const std::string& dtype);
 
-// Whether the block computes its projections in "bfloat16" or "float16" on this CPU by widening the operands to
-// fp32 and rounding the product once: where the CPU does not multiply the type natively, except float16 under
-// float32 matmul precision "medium" (whose fp32 products may round operands to bfloat16). False for other names.
-bool cpu_widens_products(const std::string& dtype);
+// Whether the block computes a projection of `rows` rows (tokens) in "bfloat16" or "float16" on this CPU by widening
+// the operands to fp32 and rounding the product once: where the CPU does not multiply the type natively, except
+// float16 under float32 matmul precision "medium" (whose fp32 products may round operands to bfloat16), and except
+// products of a few rows (a decoding step's), which stay torch's. False for other names.
+bool cpu_widens_products(const std::string& dtype, int64_t rows);
 
 }  // namespace fastmha
