@@ -10,10 +10,11 @@ namespace fastmha {
 namespace {
 
 bool widened(const at::Tensor& x, const at::Tensor& weight) {
-  // Sizes that cannot be decided (torch.compile's symbolic ones, fake tensors) take the widened path: either
-  // path gives the same shape and dtype.
-  const bool few_rows = TORCH_GUARD_OR_FALSE(x.sym_numel().sym_lt(x.sym_size(-1) * kFewestWidenedRows));
-  return widens_products(x.scalar_type(), x.device()) && weight.scalar_type() == x.scalar_type() && !few_rows;
+  // Asked last, so that only widened types meet it: under torch.compile's symbolic sizes the row count guards the
+  // graph (the decoding step's graph takes the path eager takes); a size known only from data takes the widened
+  // path.
+  return widens_products(x.scalar_type(), x.device()) && weight.scalar_type() == x.scalar_type() &&
+         !TORCH_GUARD_OR_FALSE(x.sym_numel().sym_lt(x.sym_size(-1) * kFewestWidenedRows));
 }
 
 }  // namespace

@@ -136,9 +136,9 @@ class MultiHeadAttentionBlock(nn.Module):
             return None
         if mask is not None and (type(mask) is not Tensor or mask.device != k.device or mask.is_complex()):
             return None  # the block's op names what is wrong with a complex mask
-        # Besides the sources, what decides the projections' bits; the mask decides which keys are projected
-        # (the block leaves out keys that no query sees).
-        settings = (torch.get_num_threads(), torch.get_float32_matmul_precision())
+        # Besides the sources, what decides the projections' bits; the mask and is_causal decide which keys are
+        # projected (the block leaves out keys that no query sees, except with is_causal).
+        settings = (torch.get_num_threads(), torch.get_float32_matmul_precision(), self.is_causal)
         projections = self._projection_memo.lookup(sources, settings, mask)
         if projections is None:
             output, attention_weights, _, key_proj, value_proj, _, _, _ = (

@@ -234,6 +234,23 @@ def test_thread_count_is_part_of_the_key():
             torch.set_num_threads(threads)
 
 
+def test_is_causal_is_part_of_the_key():
+    # With a padding mask the block projects only the keys some query sees, but with is_causal all of them: a
+    # memo made without is_causal must not serve a call with it.
+    reusing, fresh, _ = blocks()
+    memory = torch.randn(2, 8, 32, dtype=torch.float64)
+    x = torch.randn(2, 8, 32, dtype=torch.float64)
+    mask = padding_mask(2, 8, [3, 8])
+    with torch.no_grad():
+        reusing(x, memory, memory, mask)
+        reusing.is_causal = fresh.is_causal = True
+        counter = OpCounter()
+        with counter:
+            got = reusing(x, memory, memory, mask)
+        assert counter.names == ["_multi_head_attention_forward"]
+        assert torch.equal(got, fresh(x, memory, memory, mask))
+
+
 @pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented the batching rule")
 def test_tracing_and_vmap_take_the_op():
     reusing, _, oracle = blocks()
