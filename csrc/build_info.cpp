@@ -35,7 +35,7 @@ bool cpu_native_products(const std::string& dtype) {
 
 bool cpu_widens_products(const std::string& dtype, int64_t rows) {
   const auto type = half_type_named(dtype);
-  return type.has_value() && widens_products(*type, c10::Device(c10::kCPU)) && rows >= kFewestWidenedRows;
+  return type.has_value() && widens_products(*type, c10::Device(c10::kCPU), rows);
 }
 
 }  // namespace fastmha

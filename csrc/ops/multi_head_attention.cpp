@@ -123,8 +123,7 @@ detail::MultiHeadAttentionBackwardResult multi_head_attention_backward_kernel(
     const at::Tensor& context, const at::Tensor& logsumexp, const at::Tensor& rng_state, int64_t num_heads,
     const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal) {
   // output = context @ w_o^T
-  WidenedInputs no_inputs({});
-  auto [grad_context, grad_w_o] = projection_backward(grad_output, context, w_o, no_inputs);
+  auto [grad_context, grad_w_o] = projection_backward(grad_output, context, w_o);
   auto [grad_q_heads, grad_k_heads, grad_v_heads] =
       detail::attention_backward(split_heads(grad_context, num_heads), grad_weights, split_heads(query_proj, num_heads),
                                  split_heads(key_proj, num_heads), split_heads(value_proj, num_heads), mask,

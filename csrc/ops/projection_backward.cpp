@@ -64,8 +64,7 @@ std::pair<at::Tensor, at::Tensor> row_products(const at::Tensor& g, XRows x_rows
 std::pair<at::Tensor, at::Tensor> projection_backward(const at::Tensor& grad_y, const at::Tensor& x,
                                                       const at::Tensor& weight, WidenedInputs& inputs) {
   const at::Tensor g = flatten_rows(grad_y), x_rows = flatten_rows(x);
-  const auto dtype = g.scalar_type();
-  const bool widen = widens_products(dtype, g.device()) && x.scalar_type() == dtype && weight.scalar_type() == dtype;
+  const bool widen = widens_product_of(g, x) && widens_product_of(g, weight);
   auto whole_products = [&]() -> std::pair<at::Tensor, at::Tensor> {
     auto [grad_x, grad_w] = row_products(
         g, [&] { return widen ? flatten_rows(inputs.get(x)) : x_rows; }, weight, widen);
@@ -91,6 +90,12 @@ std::pair<at::Tensor, at::Tensor> projection_backward(const at::Tensor& grad_y, 
       g_needed, [&] { return x_rows.index_select(0, index); }, weight, widen);
   grad_x.index_copy_(0, index, grad_x_needed);
   return {grad_x.view(x.sizes()), grad_w};
+}
+
+std::pair<at::Tensor, at::Tensor> projection_backward(const at::Tensor& grad_y, const at::Tensor& x,
+                                                      const at::Tensor& weight) {
+  WidenedInputs no_shared_inputs({});
+  return projection_backward(grad_y, x, weight, no_shared_inputs);
 }
 
 }  // namespace fastmha

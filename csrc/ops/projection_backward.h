@@ -22,5 +22,8 @@ namespace fastmha {
 // the whole products take x's copy from `inputs`.
 std::pair<at::Tensor, at::Tensor> projection_backward(const at::Tensor& grad_y, const at::Tensor& x,
                                                       const at::Tensor& weight, WidenedInputs& inputs);
+// The same for an x that no other product of the call takes.
+std::pair<at::Tensor, at::Tensor> projection_backward(const at::Tensor& grad_y, const at::Tensor& x,
+                                                      const at::Tensor& weight);
 
 }  // namespace fastmha

@@ -10,11 +10,9 @@ namespace fastmha {
 namespace {
 
 bool widened(const at::Tensor& x, const at::Tensor& weight) {
-  // Asked last, so that only widened types meet it: under torch.compile's symbolic sizes the row count guards the
-  // graph (the decoding step's graph takes the path eager takes); a size known only from data takes the widened
-  // path.
-  return widens_products(x.scalar_type(), x.device()) && weight.scalar_type() == x.scalar_type() &&
-         !TORCH_GUARD_OR_FALSE(x.sym_numel().sym_lt(x.sym_size(-1) * kFewestWidenedRows));
+  c10::SymInt rows = 1;  // x's rows: all its dimensions but the last
+  for (int64_t i = 0; i + 1 < x.dim(); ++i) rows *= x.sym_size(i);
+  return weight.scalar_type() == x.scalar_type() && widens_products(x.scalar_type(), x.device(), rows);
 }
 
 }  // namespace
@@ -27,6 +25,17 @@ bool widens_products(at::ScalarType dtype, const at::Device& device) {
   // not survive (bfloat16 values do).
   return (dtype == at::kBFloat16 || dtype == at::kHalf) && !cpu::native_products(dtype) &&
          !(dtype == at::kHalf && at::globalContext().float32MatmulPrecision() == at::Float32MatmulPrecision::MEDIUM);
+}
+
+bool widens_products(at::ScalarType dtype, const at::Device& device, const c10::SymInt& rows) {
+  // Asked last, so that only widened types meet it: under torch.compile's symbolic sizes the row count guards the
+  // graph (the decoding step's graph takes the path eager takes); a size known only from data takes the widened
+  // path.
+  return widens_products(dtype, device) && !TORCH_GUARD_OR_FALSE(rows.sym_lt(kFewestWidenedRows));
+}
+
+bool widens_product_of(const at::Tensor& a, const at::Tensor& b) {
+  return a.scalar_type() == b.scalar_type() && widens_products(a.scalar_type(), a.device());
 }
 
 WidenedInputs::WidenedInputs(const std::vector<at::Tensor>& inputs) {

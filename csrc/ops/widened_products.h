@@ -22,6 +22,13 @@ bool widens_products(at::ScalarType dtype, const at::Device& device);
 // product took 44 us for one row against 91 us widened, 151 against 164 for four, 233 against 141 for six.
 constexpr int64_t kFewestWidenedRows = 6;
 
+// Whether a forward product x W^T of `rows` rows of x is widened: widens_products, from kFewestWidenedRows rows on.
+bool widens_products(at::ScalarType dtype, const at::Device& device, const c10::SymInt& rows);
+
+// Whether a product of a and b is widened, whatever its rows: both of one type whose products widens_products widens
+// on a's device.
+bool widens_product_of(const at::Tensor& a, const at::Tensor& b);
+
 // The fp32 copies of one call's inputs, each made once. Widening reads and writes the whole tensor (about 2 ms
 // for (4, 1024, 512) on Zen 3), and self-attention passes one tensor as query, key and value, which the forward
 // and the backward each multiply by three weights.

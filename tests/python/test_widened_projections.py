@@ -152,6 +152,43 @@ def test_one_tensor_as_query_key_and_value_gives_the_bits_of_three(dtype):
     assert torch.equal(shared.grad, inputs[0].grad + inputs[1].grad + inputs[2].grad)
 
 
+def half_to_float32_copies(prof, shape):
+    """How many half-type tensors of `shape` the profiled ops converted to float32."""
+    float32 = 6  # torch.float32's ScalarType, as the profile records _to_copy's dtype argument
+    return sum(1 for e in prof.events()
+               if e.name == "aten::_to_copy" and e.input_shapes and list(e.input_shapes[0]) == list(shape)
+               and e.input_dtypes[0] in ("c10::BFloat16", "c10::Half") and e.concrete_inputs[1] == float32)
+
+
+def widenings_of_shape(block, inputs, grad, shape):
+    """The copies of half-type tensors of `shape` to float32 that the block's forward, then its backward, makes."""
+    with torch.profiler.profile(record_shapes=True) as forward:
+        out = block(*inputs, None)
+    with torch.profiler.profile(record_shapes=True) as backward:
+        out.backward(grad)
+    return half_to_float32_copies(forward, shape), half_to_float32_copies(backward, shape)
+
+
+@pytest.mark.parametrize("dtype", list(HALF_TYPES))
+def test_one_tensor_as_query_key_and_value_is_widened_once(dtype):
+    # Widening reads and writes the whole input: self-attention's one input is widened once in the forward and
+    # once in the backward, two copies fewer in each than three inputs of its shape need.
+    b, length, d_model, h = 2, 33, 64, 4
+    if not fastmha._C.cpu_widens_products(HALF_TYPES[dtype], b * length):
+        pytest.skip("this CPU multiplies the type natively: nothing is widened")
+    torch.manual_seed(6)
+    block = fastmha.MultiHeadAttentionBlock(d_model, h, 0.0).to(dtype)
+    x = torch.randn(b, length, d_model, dtype=dtype)
+    grad = torch.randn(b, length, d_model, dtype=dtype)
+    shared = x.clone().requires_grad_()
+    three = [x.clone().requires_grad_() for _ in range(3)]
+    shared_forward, shared_backward = widenings_of_shape(block, [shared] * 3, grad, x.shape)
+    three_forward, three_backward = widenings_of_shape(block, three, grad, x.shape)
+    assert three_forward >= 3 and three_backward >= 3  # the profile sees each input's copy
+    assert shared_forward == three_forward - 2
+    assert shared_backward == three_backward - 2
+
+
 @pytest.mark.parametrize("dtype", list(HALF_TYPES))
 @pytest.mark.parametrize("rows", [1, 3, 5, 6, 7])
 def test_a_few_rows_are_torch_products_and_more_are_widened(dtype, rows):
