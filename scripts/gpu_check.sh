@@ -42,7 +42,7 @@ wants() { [[ ",$PHASES," == *",$1,"* ]]; }
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 || echo "no nvidia-smi"
   command -v nvcc >/dev/null && nvcc --version | tail -n 2
   "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpu', torch.cuda.is_available())"
-  "$PY" -c "import setuptools; print('setuptools', setuptools.__version__)"
+  "$PY" -c "import setuptools; print('setuptools', setuptools.__version__)" 2>&1 | tail -n 1
 } >"$OUT/environment.txt" 2>&1
 cat "$OUT/environment.txt"
 
@@ -50,7 +50,7 @@ if wants build; then
   # Only the local GPU's arch by default: the shortest build (the default of a normal build is 8.0;9.0+PTX).
   local_arch=$("$PY" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())" 2>/dev/null || echo 9.0)
   # pyproject.toml's SPDX license string needs setuptools >= 77, and the build takes the environment's own.
-  if ! "$PY" -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)"; then
+  if ! "$PY" -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)" 2>/dev/null; then
     echo "build: setuptools >= 77 is needed; install it first (pip install 'setuptools>=77')" | tee -a "$OUT/summary.txt"
   fi
   phase build 300 env TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$local_arch}" MAX_JOBS="${MAX_JOBS:-$(nproc)}" \

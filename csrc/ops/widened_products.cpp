@@ -10,9 +10,12 @@ namespace fastmha {
 namespace {
 
 bool widened(const at::Tensor& x, const at::Tensor& weight) {
+  if (!widens_product_of(x, weight)) {  // other calls build no symbolic row count
+    return false;
+  }
   c10::SymInt rows = 1;  // x's rows: all its dimensions but the last
   for (int64_t i = 0; i + 1 < x.dim(); ++i) rows *= x.sym_size(i);
-  return weight.scalar_type() == x.scalar_type() && widens_products(x.scalar_type(), x.device(), rows);
+  return widens_products(x.scalar_type(), x.device(), rows);
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 """fastmha.MultiHeadAttentionBlock: a drop-in for the textbook MultiHeadAttentionBlock(d_model, h, dropout)."""
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -17,7 +18,7 @@ def _projection(x: Tensor, weight: Tensor) -> Tensor:
     float32 and the product rounded once (torch's half-type products there are several times slower), except for
     a few rows. The rule is the op's own, from _C.cpu_widens_products."""
     name = _HALF_NAMES.get(x.dtype)
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    rows = math.prod(x.shape[:-1])  # all dimensions but the last, as the op counts them
     if x.device.type == "cpu" and name is not None and weight.dtype == x.dtype and _C.cpu_widens_products(name, rows):
         return F.linear(x.float(), weight.float()).to(x.dtype)
     return F.linear(x, weight)
