@@ -31,12 +31,13 @@ AttentionForwardResult attention_forward(const at::Tensor& query, const at::Tens
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights, const at::Tensor& query,
     const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& mask, const at::Tensor& output,
-    const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p, bool is_causal) {
+    const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p, bool is_causal,
+    const std::optional<at::Tensor>& weights) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastmha::_attention_backward", "")
                        .typed<decltype(attention_backward)>();
-  return op.call(grad_output, grad_weights, query, key, value, mask, output, logsumexp, rng_state, dropout_p,
-                 is_causal);
+  return op.call(grad_output, grad_weights, query, key, value, mask, output, logsumexp, rng_state, dropout_p, is_causal,
+                 weights);
 }
 
 }  // namespace detail
@@ -66,7 +67,8 @@ TORCH_LIBRARY(fastmha, m) {
       random);
   m.def(
       "_attention_backward(Tensor grad_output, Tensor? grad_weights, Tensor query, Tensor key, Tensor value, "
-      "Tensor? mask, Tensor output, Tensor logsumexp, Tensor rng_state, float dropout_p, bool is_causal) "
+      "Tensor? mask, Tensor output, Tensor logsumexp, Tensor rng_state, float dropout_p, bool is_causal, "
+      "Tensor? weights=None) "
       "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
 }
 

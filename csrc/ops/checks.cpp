@@ -136,4 +136,16 @@ void check_block_inputs(const at::Tensor& query, const at::Tensor& key, const at
   check_dropout(dropout_p);
 }
 
+void check_kept_weights(const std::optional<at::Tensor>& weights, const at::Tensor& query, const at::Tensor& key) {
+  if (!weights.has_value()) {
+    return;
+  }
+  check_like_query(*weights, "weights", query);
+  const auto& w = *weights;
+  TORCH_CHECK(w.dim() == 4 && w.sym_size(0) == query.sym_size(0) && w.sym_size(1) == query.sym_size(1) &&
+                  w.sym_size(2) == query.sym_size(2) && w.sym_size(3) == key.sym_size(2),
+              "fastmha: weights must be the forward's kept weights of shape (batch, h, Lq, Lk) = (", query.sym_size(0),
+              ", ", query.sym_size(1), ", ", query.sym_size(2), ", ", key.sym_size(2), "), got shape ", w.sym_sizes());
+}
+
 }  // namespace fastmha

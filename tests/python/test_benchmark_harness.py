@@ -56,6 +56,16 @@ def test_bench_kernel_choice_measures_half_type_products_with_kept_weights(tmp_p
     assert any(line.startswith("native column, bfloat16: bfloat16 products") for line in result["machine"])
 
 
+def test_bench_backward_from_weights_quick_run(tmp_path):
+    out = tmp_path / "from-weights"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_backward_from_weights.py"), "--quick", "--out",
+                    str(out)], check=True, capture_output=True, timeout=300)
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert {r["mask"] for r in rows} == {"none", "padding"}
+    assert all(t > 0 for r in rows for t in r["ms"].values())
+    assert "| padding | 1 | 128 |" in out.with_suffix(".md").read_text()
+
+
 def test_bench_model_quick_run_trains_and_decodes_with_every_block(tmp_path):
     out = tmp_path / "model"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_model.py"), "--quick", "--out", str(out)],

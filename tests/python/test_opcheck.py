@@ -63,6 +63,10 @@ def test_opcheck_internal_attention_ops(device, mask_kind, is_causal):
     torch.library.opcheck(OPS._attention_backward.default,
                           (grad_out, grad_weights, q, k, v, mask, out, lse, rng_state, 0.0, is_causal))
     torch.library.opcheck(OPS._attention_backward.default, (grad_out, None, q, k, v, mask, out, lse, rng_state, 0.0, is_causal))
+    # With the weights the forward kept, which the CPU backward reads instead of recomputing them.
+    out, weights, lse, rng_state = OPS._attention_forward(q, k, v, mask, 0.0, True, is_causal)
+    torch.library.opcheck(OPS._attention_backward.default,
+                          (grad_out, None, q, k, v, mask, out, lse, rng_state, 0.0, is_causal, weights))
 
 
 @pytest.mark.parametrize("mask_kind", ["none", "bool"])
@@ -76,6 +80,9 @@ def test_opcheck_internal_block_ops(device, mask_kind, is_causal):
         OPS._multi_head_attention_backward.default,
         (torch.randn_like(out), torch.randn_like(weights), x, kv, kv, *ws, qp, kp, vp, ctx, lse, rng_state, 2, mask,
          0.0, is_causal))
+    torch.library.opcheck(
+        OPS._multi_head_attention_backward.default,
+        (torch.randn_like(out), None, x, kv, kv, *ws, qp, kp, vp, ctx, lse, rng_state, 2, mask, 0.0, is_causal, weights))
 
 
 @pytest.mark.parametrize("with_cache", [False, True])

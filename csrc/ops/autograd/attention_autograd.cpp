@@ -1,5 +1,6 @@
 // Autograd for the attention core, in C++ so TorchScript and C++ callers can train. The forward saves the
-// per-row log-sum-exp and the dropout rng_state; the backward op recomputes the weights from them.
+// per-row log-sum-exp and the dropout rng_state; the backward op recomputes the weights from them, or, where it
+// can (weights_serve_backward), reads the weights the call kept.
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -20,7 +21,9 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     const std::optional<at::Tensor> mask = mask_to_save(user_mask, query);
     auto [output, weights, logsumexp, rng_state] =
         detail::attention_forward(query, key, value, mask, dropout_p, need_weights, is_causal);
-    ctx->save_for_backward({query, key, value, mask.value_or(at::Tensor()), output, logsumexp, rng_state});
+    const bool save_weights = need_weights && detail::weights_serve_backward(weights, dropout_p);
+    ctx->save_for_backward({query, key, value, mask.value_or(at::Tensor()), output, logsumexp, rng_state,
+                            save_weights ? weights : at::Tensor()});
     ctx->saved_data["dropout_p"] = dropout_p;
     ctx->saved_data["is_causal"] = is_causal;
     if (!need_weights) {
@@ -40,7 +43,8 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     const auto grad_output = grads[0].defined() ? grads[0] : at::zeros_like(saved[4]);
     auto [grad_query, grad_key, grad_value] = detail::attention_backward(
         grad_output, grad_weights, saved[0], saved[1], saved[2], mask, saved[4], saved[5], saved[6],
-        ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["is_causal"].toBool());
+        ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["is_causal"].toBool(),
+        saved[7].defined() ? std::optional<at::Tensor>(saved[7]) : std::nullopt);
     return {grad_query, grad_key, grad_value, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };

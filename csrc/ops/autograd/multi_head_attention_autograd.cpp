@@ -1,5 +1,6 @@
 // Autograd for the whole block, in C++ so TorchScript and C++ callers can train. The forward saves the
-// projections, the merged context, the log-sum-exp and the dropout rng_state; nothing of size Lq x Lk.
+// projections, the merged context, the log-sum-exp and the dropout rng_state; nothing of size Lq x Lk but the
+// weights the call kept, where the backward reads them (weights_serve_backward).
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -22,8 +23,9 @@ class MultiHeadAttentionFunction : public torch::autograd::Function<MultiHeadAtt
     auto [output, weights, query_proj, key_proj, value_proj, context, logsumexp, rng_state] =
         detail::multi_head_attention_forward(query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p,
                                              need_weights, is_causal);
+    const bool save_weights = need_weights && detail::weights_serve_backward(weights, dropout_p);
     ctx->save_for_backward({query, key, value, w_q, w_k, w_v, w_o, query_proj, key_proj, value_proj, context, logsumexp,
-                            rng_state, mask.value_or(at::Tensor())});
+                            rng_state, mask.value_or(at::Tensor()), save_weights ? weights : at::Tensor()});
     ctx->saved_data["num_heads"] = num_heads;
     ctx->saved_data["dropout_p"] = dropout_p;
     ctx->saved_data["is_causal"] = is_causal;
@@ -44,10 +46,10 @@ class MultiHeadAttentionFunction : public torch::autograd::Function<MultiHeadAtt
     // The output has the merged context's shape and dtype (w_o is d_model x d_model).
     const auto grad_output = grads[0].defined() ? grads[0] : at::zeros_like(s[10]);
     auto [grad_query, grad_key, grad_value, grad_w_q, grad_w_k, grad_w_v, grad_w_o] =
-        detail::multi_head_attention_backward(grad_output, grad_weights, s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7],
-                                              s[8], s[9], s[10], s[11], s[12], ctx->saved_data["num_heads"].toInt(),
-                                              mask, ctx->saved_data["dropout_p"].toDouble(),
-                                              ctx->saved_data["is_causal"].toBool());
+        detail::multi_head_attention_backward(
+            grad_output, grad_weights, s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9], s[10], s[11], s[12],
+            ctx->saved_data["num_heads"].toInt(), mask, ctx->saved_data["dropout_p"].toDouble(),
+            ctx->saved_data["is_causal"].toBool(), s[14].defined() ? std::optional<at::Tensor>(s[14]) : std::nullopt);
     return {grad_query, grad_key,     grad_value,   grad_w_q,     grad_w_k,     grad_w_v,
             grad_w_o,   at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }

@@ -244,7 +244,9 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights, const at::Tensor& query,
     const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& mask, const at::Tensor& output,
-    const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p, bool is_causal) {
+    const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p, bool is_causal,
+    const std::optional<at::Tensor>& weights) {
+  check_kept_weights(weights, query, key);
   const AttentionCall call{query, key, value, mask, dropout_p, weights_kept(grad_weights), is_causal, Pass::kBackward};
   if (choose_kernel_logged(call).kernel == AttentionKernel::kStockCpu) {
     return stock::attention_backward(grad_output, query, key, value, mask, output, logsumexp, is_causal, std::nullopt);
@@ -296,6 +298,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
   const auto state = rng_state.to(at::kCPU).contiguous();
   const auto* seed_offset = state.const_data_ptr<int64_t>();
   const auto half_grad_out = half ? kernel_operand(grad_output, dtype) : at::Tensor();
+  // The blocked backward takes P from kept weights in the accumulation type (half-type ones are too coarse for it).
+  // With dropout they are not P; recomputing the scores measured as fast as reading them and the dropout mask.
+  const auto kept =
+      use_output && dtype == acc && dropout_p == 0 && weights.has_value() ? weights->contiguous() : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES(acc, "fastmha_cpu_attention_backward", [&] {
     auto in = kernel_inputs<scalar_t>(q, k, v, mask_view, dropout_p, is_causal, seed_offset[0], seed_offset[1],
                                       Pass::kBackward);
@@ -315,6 +321,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
                                                   strides3(grad_out),
                                                   use_output ? strides3(out) : cpu::Strides3{},
                                                   strides3(grad_q)};
+    grads.weights = kept.defined() ? kept.const_data_ptr<scalar_t>() : nullptr;
     if (half) {
       in.half = half_inputs.view(half_mode == cpu::HalfGemmMode::kNative);
       grads.half_grad_out = static_cast<const uint16_t*>(half_grad_out.const_data_ptr());

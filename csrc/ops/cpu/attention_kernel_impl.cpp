@@ -15,8 +15,9 @@
 // softmax + log-sum-exp + dropout in place, and a second GEMM applies the weights to V. Scores live in a
 // per-task buffer of chunk x Lk (kept weights are written out from it): nothing of size Lq x Lk is allocated
 // otherwise. The backward recomputes each chunk's softmax from the saved log-sum-exp and regenerates the
-// dropout mask from the Philox (seed, offset); it splits each head's query chunks into ranges that run in
-// parallel (partial dK/dV per range, summed by the caller), so it scales even when batch*heads is small.
+// dropout mask from the Philox (seed, offset), or, without dropout, takes P from the weights the forward kept.
+// It splits each head's query chunks into ranges that run in parallel (partial dK/dV per range, summed by the
+// caller), so it scales even when batch*heads is small.
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -883,6 +884,25 @@ void zero_masked(const AttentionInputs<T>& in, const Head<T>& head, int64_t quer
   }
 }
 
+// D = dO . O of a row: the sum over its keys of dP_j P_j (with dropout too), from the forward output row.
+template <typename T>
+T output_dot(const T* grad_out, const T* out, int64_t d_v) {
+  using Vec = Vectorized<T>;
+  return at::vec::map2_reduce_all<T>([](Vec a, Vec b) { return a * b; }, [](Vec a, Vec b) { return a + b; }, grad_out,
+                                     out, d_v);
+}
+
+// A NaN or infinity in dO, O or V makes 0 * (dP - D) NaN at masked keys too, where the math has no gradient
+// (the -1e9 overwrote those scores): zero them as the general path does. So are they in rows with exact softmax
+// constants, whose masked keys may weigh more than 0.
+template <typename T>
+void zero_masked_gradients(const AttentionInputs<T>& in, const Head<T>& head, int64_t query, const KeySpan& span,
+                           const RowSoftmax<T>& softmax, T* dw) {
+  if ((span.masked || in.is_causal) && (softmax.exact || !finite_rows(dw, span.size(), 0, 1, span.size()))) {
+    zero_masked(in, head, query, span, dw);
+  }
+}
+
 // One pass over a row: P = exp(S - shift) * scale, dP = dW * keep, dS = P * (dP - D), W = P * keep, where
 // D = sum_j dP_j P_j = dO . O (the forward output row; true with dropout too), so no row reduction is needed.
 // Masked scores have P = 0 exactly (exp(-1e9 - lse)), hence dS = 0, except in rows with exact softmax
@@ -893,8 +913,7 @@ void fused_backward_row(const AttentionInputs<T>& in, const T* grad_out, const T
                         const T* keep) {
   const int64_t width = span.size();
   using Vec = Vectorized<T>;
-  const T d = at::vec::map2_reduce_all<T>([](Vec a, Vec b) { return a * b; }, [](Vec a, Vec b) { return a + b; },
-                                          grad_out, out, in.d_v);
+  const T d = output_dot(grad_out, out, in.d_v);
   const Vec shift_vec(softmax.shift), scale_vec(softmax.scale), d_vec(d);
   const bool dropout = keep != nullptr;
   const bool fast = std::isfinite(softmax.shift);
@@ -917,11 +936,25 @@ void fused_backward_row(const AttentionInputs<T>& in, const T* grad_out, const T
     p[j] = prob * k;
     dw[j] = prob * (dw[j] * k - d);
   }
-  // A NaN or infinity in dO, O or V makes 0 * (dP - D) NaN at masked keys too, where the math has no gradient
-  // (the -1e9 overwrote those scores): zero them as the general path does.
-  if ((span.masked || in.is_causal) && (softmax.exact || !finite_rows(dw, width, 0, 1, width))) {
-    zero_masked(in, head, query, span, dw);
+  zero_masked_gradients(in, head, query, span, softmax, dw);
+}
+
+// fused_backward_row for a row whose forward (without dropout) kept its weights W = P, which w holds over the
+// span's columns: dS = W * (dP - D), no scores recomputed.
+template <typename T>
+void kept_weights_backward_row(const AttentionInputs<T>& in, const T* grad_out, const T* out, int64_t query,
+                               const KeySpan& span, const Head<T>& head, const RowSoftmax<T>& softmax, const T* w,
+                               T* dw) {
+  const int64_t width = span.size();
+  using Vec = Vectorized<T>;
+  const T d = output_dot(grad_out, out, in.d_v);
+  const Vec d_vec(d);
+  int64_t j = 0;
+  for (; j + Vec::size() <= width; j += Vec::size()) {
+    (Vec::loadu(w + j) * (Vec::loadu(dw + j) - d_vec)).store(dw + j);
   }
+  for (; j < width; ++j) dw[j] = w[j] * (dw[j] - d);
+  zero_masked_gradients(in, head, query, span, softmax, dw);
 }
 
 // One backward task: a range of one head's query chunks, with its own partial dK and dV, zeroed here (the
@@ -1114,7 +1147,14 @@ void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<
     zero_rows(grad_q, ld_grad_q, rows, in.d_k);
     return;
   }
-  row_softmax_constants(in, g, head, row0, rows, first_row, buf);
+  // Kept weights (without dropout) are P itself: no scores are recomputed, and of the softmax constants only
+  // `exact` is read (zero_masked_gradients).
+  const T* kept = g.weights == nullptr ? nullptr : g.weights + first_row * in.len_k;
+  if (kept == nullptr) {
+    row_softmax_constants(in, g, head, row0, rows, first_row, buf);
+  } else {
+    for (int64_t r = 0; r < rows; ++r) softmax[r] = {T(0), T(1), lse_near_fill(g.lse[first_row + r])};
+  }
   // dV and dK of a skipped key are zero weights (score gradients) times dO (Q) rows: a NaN or an infinity
   // there makes them NaN in the math.
   bool may_skip =
@@ -1135,7 +1175,9 @@ void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<
     const int64_t n = part.size(), lo = part.lo;
     const T* v_part = head.v + lo * in.v_stride.row;
     const T* k_part = head.k + lo * in.k_stride.row;
-    block_scores(in, head, row0, rows, part, probs.data(), n);
+    if (kept == nullptr) {
+      block_scores(in, head, row0, rows, part, probs.data(), n);
+    }
     if (in.half.q != nullptr) {
       half_grad_weights(in, half_grad_out, g.half_grad_out_stride.row, head, rows, lo, n, grad_w.data());
     } else {
@@ -1146,8 +1188,15 @@ void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<
       fill_chunk_keep(in, first_row, rows, part, words, keep.data());
     }
     for (int64_t r = 0; r < rows; ++r) {
-      fused_backward_row(in, grad_out + r * ld_grad_out, out + r * chunk_rows.ld_out, row0 + r, part, head, softmax[r],
-                         probs.data() + r * n, grad_w.data() + r * n, in.dropout_p > 0 ? keep.data() + r * n : nullptr);
+      const T* grad_out_row = grad_out + r * ld_grad_out;
+      const T* out_row = out + r * chunk_rows.ld_out;
+      if (kept != nullptr) {
+        kept_weights_backward_row(in, grad_out_row, out_row, row0 + r, part, head, softmax[r], kept + r * in.len_k + lo,
+                                  grad_w.data() + r * n);
+      } else {
+        fused_backward_row(in, grad_out_row, out_row, row0 + r, part, head, softmax[r], probs.data() + r * n,
+                           grad_w.data() + r * n, in.dropout_p > 0 ? keep.data() + r * n : nullptr);
+      }
     }
     if (in.half.q != nullptr) {
       half_block_gradients(in, g, head, rows, lo, n, probs.data(), grad_w.data(), grad_q, grad_k, grad_v, computed);
@@ -1155,8 +1204,9 @@ void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<
       continue;
     }
     // dV += W^T dO ; dQ (+)= scale * dS K ; dK += scale * dS^T Q (over this block's keys)
-    gemm<T>(true, false, n, in.d_v, rows, T(1), probs.data(), n, grad_out, ld_grad_out, T(1), grad_v + lo * ld_grad_v,
-            ld_grad_v);
+    const T* applied = kept != nullptr ? kept + lo : probs.data();
+    gemm<T>(true, false, n, in.d_v, rows, T(1), applied, kept != nullptr ? in.len_k : n, grad_out, ld_grad_out, T(1),
+            grad_v + lo * ld_grad_v, ld_grad_v);
     gemm<T>(false, false, rows, in.d_k, n, in.scale, grad_w.data(), n, k_part, in.k_stride.row, computed ? T(1) : T(0),
             grad_q, ld_grad_q);
     gemm<T>(true, false, n, in.d_k, rows, in.scale, grad_w.data(), n, q_rows, in.q_stride.row, T(1),
@@ -1190,6 +1240,8 @@ void blocked_backward(const AttentionInputs<T>& inputs, const AttentionBackwardT
 template <typename T>
 void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g) {
   TORCH_INTERNAL_ASSERT(!in.widen_in_tasks || (std::is_same_v<T, float>), "the tasks widen for float only");
+  TORCH_INTERNAL_ASSERT(g.weights == nullptr || (in.half.q == nullptr && !in.widen_in_tasks && in.dropout_p == 0),
+                        "kept weights are read in the accumulation type and without dropout only");
   if ((g.out != nullptr || in.widen_in_tasks) && g.grad_weights == nullptr) {
     return blocked_backward(in, g);
   }

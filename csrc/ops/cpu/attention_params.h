@@ -102,6 +102,9 @@ struct AttentionBackwardTensors {
   const uint16_t* source_grad_out = nullptr;
   const uint16_t* source_out = nullptr;
   uint16_t* half_grad_q = nullptr;
+  // The weights a forward without dropout kept, (B, H, Lq, Lk) contiguous in T, or nullptr: the blocked backward
+  // takes P from them instead of recomputing the scores.
+  const T* weights = nullptr;
 };
 
 // Row `row` of head bh (= batch index * heads + head index) of a (B, H, L, d) tensor laid out by s.

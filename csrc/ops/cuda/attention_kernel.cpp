@@ -170,8 +170,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> weights_backward(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights, const at::Tensor& query,
     const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& mask, const at::Tensor& output,
-    const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p, bool is_causal) {
+    const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p, bool is_causal,
+    const std::optional<at::Tensor>& weights) {
   c10::cuda::CUDAGuard guard(query.device());
+  // The CUDA backward recomputes the weights; kept ones are only checked.
+  check_kept_weights(weights, query, key);
   const AttentionCall call{query, key, value, mask, dropout_p, weights_kept(grad_weights), is_causal, Pass::kBackward};
   const auto choice = choose_kernel_logged(call);
   const auto kernel = choice.kernel;

@@ -29,7 +29,9 @@ detail::AttentionForwardResult attention_forward_meta(const at::Tensor& query, c
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_meta(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights, const at::Tensor& query,
     const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& mask, const at::Tensor& output,
-    const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p, bool is_causal) {
+    const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p, bool is_causal,
+    const std::optional<at::Tensor>& weights) {
+  check_kept_weights(weights, query, key);
   auto like = [](const at::Tensor& t) { return empty_heads(t.sym_sizes(), heads_interleaved(t), t.options()); };
   return {like(query), like(key), like(value)};
 }
