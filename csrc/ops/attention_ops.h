@@ -17,21 +17,12 @@ AttentionForwardResult attention_forward(const at::Tensor& query, const at::Tens
                                          bool is_causal);
 
 // `weights`: the forward's kept weights, which the CPU backward reads instead of recomputing them when they
-// serve it (weights_serve_backward), or nullopt.
+// serve it (weights_serve_backward in kernel_choice.h), or nullopt.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights, const at::Tensor& query,
     const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& mask, const at::Tensor& output,
     const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p, bool is_causal,
     const std::optional<at::Tensor>& weights);
-
-// Whether the forward's kept weights go to the backward, which then reads them instead of recomputing the scores:
-// on the CPU, in float32 or float64 (half-type weights are too coarse to stand for the fp32 softmax), without
-// dropout (with it they are no softmax, and reading them measured no faster than recomputing). Elsewhere the
-// backward recomputes them, and saving them would only hold memory.
-inline bool weights_serve_backward(const at::Tensor& weights, double dropout_p) {
-  return weights.defined() && dropout_p == 0 && weights.device().is_cpu() &&
-         (weights.scalar_type() == at::kFloat || weights.scalar_type() == at::kDouble);
-}
 
 // (output, weights or empty, query_proj, key_proj, value_proj, context, logsumexp, rng_state)
 using MultiHeadAttentionForwardResult =

@@ -36,6 +36,8 @@ struct AttentionCall {
   bool need_weights;
   bool is_causal;
   Pass pass = Pass::kForward;
+  // A backward given the weights its forward (float32 or float64, no dropout) kept: fastmha's takes P from them.
+  bool weights_at_hand = false;
 };
 
 struct KernelChoice {
@@ -52,6 +54,14 @@ KernelChoice choose_kernel(const AttentionCall& call);
 inline bool weights_kept(const std::optional<at::Tensor>& grad_weights) {
   return grad_weights.has_value() && grad_weights->defined();
 }
+
+// Whether the weights that a forward call kept should be saved for its backward, which then takes P from them
+// instead of recomputing the scores: where fastmha's CPU kernel runs that backward (when the loss does not read the
+// weights), in float32 or float64 (half-type weights are too coarse to stand for the fp32 softmax), without dropout
+// (the weights are then no softmax; reading them measured no faster than recomputing them and the mask). Elsewhere
+// saving them would only hold memory. While a graph compiler traces (symbolic sizes, or fake tensors with no data
+// for the mask's scan) the choice cannot be made, and they are saved.
+bool weights_serve_backward(const AttentionCall& forward_call, const at::Tensor& weights);
 
 // choose_kernel, and the choice printed to stderr when FASTMHA_LOG_KERNELS=1.
 KernelChoice choose_kernel_logged(const AttentionCall& call);

@@ -71,29 +71,75 @@ def test_backward_from_kept_weights_matches_the_oracle(monkeypatch, dtype, mask_
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
-def test_backward_reads_the_weights_it_is_given_without_dropout(monkeypatch, dropout_p):
-    # dV = W^T dO whatever W holds: other weights of the right shape give their own dV when the op reads them.
-    # With dropout it recomputes the weights from the log-sum-exp and the Philox stream instead.
+@pytest.mark.parametrize("mask_kind", ["none", "padding"])
+@pytest.mark.parametrize("key_block", ["", "32"])
+def test_backward_reads_the_weights_it_is_given_without_dropout(monkeypatch, dropout_p, mask_kind, key_block):
+    # dV = W^T dO whatever W holds: other weights of the right shape give their own dV when the op reads them
+    # (over the keys some query sees; with padding the rest carry no weight). With dropout it recomputes the
+    # weights from the log-sum-exp and the Philox stream instead.
     monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
+    monkeypatch.setenv("FASTMHA_CPU_KEY_BLOCK", key_block)
     q, k, v = inputs(torch.float64)
-    out, weights, lse, rng_state = OPS._attention_forward(q, k, v, None, dropout_p, True, False)
+    mask = MASKS[mask_kind]
+    out, weights, lse, rng_state = OPS._attention_forward(q, k, v, mask, dropout_p, True, False)
     grad_out = torch.randn_like(out)
     other = torch.rand_like(weights)
-    _, _, dv = OPS._attention_backward(grad_out, None, q, k, v, None, out, lse, rng_state, dropout_p, False, other)
+    if mask is not None:
+        other = other * mask  # skipped keys are those no query of a chunk sees: they must weigh 0
+    _, _, dv = OPS._attention_backward(grad_out, None, q, k, v, mask, out, lse, rng_state, dropout_p, False, other)
     torch.testing.assert_close(dv, (other if dropout_p == 0 else weights).transpose(-2, -1) @ grad_out)
 
 
+SPECIAL_INPUTS = {
+    "NaN in a value row": lambda q, k, v, g: v[0, 1, 7].fill_(float("nan")),
+    "infinity in a query row": lambda q, k, v, g: q[1, 2, 3].fill_(float("inf")),
+    "zero output-gradient rows": lambda q, k, v, g: g[:, :, 10:40].zero_(),
+}
+
+
+@pytest.mark.parametrize("special", list(SPECIAL_INPUTS))
+@pytest.mark.parametrize("mask_kind", ["none", "padding", "random with hidden rows"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_backward_from_kept_weights_matches_recomputing_with_special_values(monkeypatch, special, mask_kind,
+                                                                          is_causal):
+    # NaN and infinity reach the same gradients (NaN where the math has NaN) as the recomputing backward, and
+    # rows whose output gradient is zero take the same early way out.
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
+    q, k, v = inputs(torch.float64)
+    grad_out = torch.randn(B, H, LQ, D, dtype=torch.float64)
+    SPECIAL_INPUTS[special](q, k, v, grad_out)
+    mask = MASKS[mask_kind]
+    out, weights, lse, rng_state = OPS._attention_forward(q, k, v, mask, 0.0, True, is_causal)
+    args = (grad_out, None, q, k, v, mask, out, lse, rng_state, 0.0, is_causal)
+    for got, want in zip(OPS._attention_backward(*args, weights), OPS._attention_backward(*args)):
+        torch.testing.assert_close(got, want, equal_nan=True)
+
+
+def test_backward_from_kept_weights_with_one_head_split_across_threads(monkeypatch):
+    # One head of many query chunks: the backward splits them into ranges with partial dK and dV.
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
+    q, k, v = (torch.randn(1, 1, n, D, dtype=torch.float64) for n in (600, 90, 90))
+    out, weights, lse, rng_state = OPS._attention_forward(q, k, v, None, 0.0, True, False)
+    grad_out = torch.randn_like(out)
+    got = OPS._attention_backward(grad_out, None, q, k, v, None, out, lse, rng_state, 0.0, False, weights)
+    ref_inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(oracle_attention(*ref_inputs)[0], ref_inputs, grad_out)
+    for got_grad, want_grad in zip(got, want):
+        torch.testing.assert_close(got_grad, want_grad)
+
+
 @pytest.mark.parametrize("module_dropout", [0.0, 0.2])
-def test_drop_in_block_training_gradients_match_the_oracle(module_dropout):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_drop_in_block_training_gradients_match_the_oracle(module_dropout, dtype):
     # Through autograd: the block keeps its weights and the loss reads only the output, so the backward gets them.
     import fastmha
 
     torch.manual_seed(3)
     d_model, heads, length = 32, 4, 40
-    block = fastmha.MultiHeadAttentionBlock(d_model, heads, module_dropout).double().train()
+    block = fastmha.MultiHeadAttentionBlock(d_model, heads, module_dropout).to(dtype).train()
     oracle = OracleBlock(d_model, heads, module_dropout).double()
     oracle.load_state_dict(block.state_dict())
-    x = torch.randn(2, length, d_model, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(2, length, d_model, dtype=dtype, requires_grad=True)
     mask = torch.ones(2, 1, 1, length, dtype=torch.int64)
     mask[1, ..., 30:] = 0
     out = block(x, x, x, mask)
@@ -102,15 +148,16 @@ def test_drop_in_block_training_gradients_match_the_oracle(module_dropout):
     params = [block.w_q.weight, block.w_k.weight, block.w_v.weight, block.w_o.weight]
     got = torch.autograd.grad(out, [x] + params, grad_out)
 
-    # The call's dropout mask: where its weights are 0 (in float64 no softmax weight of a visible key is).
-    xr = x.detach().requires_grad_()
+    # The call's dropout mask: where its weights are 0 (no softmax weight of a visible key is, at these scores).
+    xr = x.detach().double().requires_grad_()
     want_out, want_weights = oracle(xr, xr, xr, mask, weights != 0, module_dropout)
-    torch.testing.assert_close(weights, want_weights)
-    torch.testing.assert_close(out, want_out)
+    tolerance = TOLERANCES[dtype]
+    torch.testing.assert_close(weights.double(), want_weights, **tolerance)
+    torch.testing.assert_close(out.double(), want_out, **tolerance)
     want = torch.autograd.grad(want_out, [xr, oracle.w_q.weight, oracle.w_k.weight, oracle.w_v.weight,
-                                          oracle.w_o.weight], grad_out)
+                                          oracle.w_o.weight], grad_out.double())
     for name, got_grad, want_grad in zip(["x", "w_q", "w_k", "w_v", "w_o"], got, want):
-        torch.testing.assert_close(got_grad, want_grad, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got_grad.double(), want_grad, **tolerance, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("bad,message", [
@@ -124,3 +171,38 @@ def test_backward_rejects_weights_of_another_shape_or_dtype(bad, message):
     with pytest.raises(RuntimeError, match=message):
         OPS._attention_backward(torch.randn_like(out), None, q, k, v, None, out, lse, rng_state, 0.0, False,
                                 bad(weights))
+
+
+def test_weights_changed_in_place_before_the_backward_raise():
+    # The backward reads the very tensor the call returned: changing it in place first is an error, as for the
+    # textbook block (its product with the values saves the weights too), not a silently wrong gradient.
+    q, k, v = (t.requires_grad_() for t in inputs(torch.float32))
+    out, weights = OPS.attention(q, k, v, None, 0.0, True, False)
+    weights.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_block_attention_scores_changed_in_place_before_the_backward_raise():
+    import fastmha
+
+    block = fastmha.MultiHeadAttentionBlock(32, 4, 0.0)
+    x = torch.randn(2, 40, 32, requires_grad=True)
+    out = block(x, x, x, None)
+    block.attention_scores.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("case", ["dropout", "bfloat16", "torch's backward"])
+def test_weights_are_not_saved_where_the_backward_would_not_read_them(monkeypatch, case):
+    # Not saved, so changing them in place before the backward is no error: with dropout (the weights are no
+    # softmax), in a half type (too coarse for it), or when torch's kernel runs the backward.
+    if case == "torch's backward":
+        monkeypatch.setenv("FASTMHA_CPU_KERNELS", "stock")
+    dtype = torch.bfloat16 if case == "bfloat16" else torch.float32
+    q, k, v = (t.requires_grad_() for t in inputs(dtype))
+    out, weights = OPS.attention(q, k, v, None, 0.2 if case == "dropout" else 0.0, True, False)
+    weights.mul_(2)
+    out.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()

@@ -265,6 +265,23 @@ def test_kept_weights_forward_with_unused_weights_backward(monkeypatch):
         assert_close(got, want, torch.float32)
 
 
+def test_backward_given_kept_weights_runs_fastmhas_kernel_at_any_length(monkeypatch, capfd):
+    # Over 2048 keys without a mask the backward is torch's, unless the forward kept its weights (float32, no
+    # dropout): fastmha's then takes the softmax from them.
+    monkeypatch.setenv("FASTMHA_LOG_KERNELS", "1")
+    q = torch.randn(1, 2, 4, 8, requires_grad=True)
+    k, v = (torch.randn(1, 2, 2100, 8, requires_grad=True) for _ in range(2))
+    for need_weights in (False, True):
+        out, _ = torch.ops.fastmha.attention(q, k, v, None, 0.0, need_weights, False)
+        out.sum().backward()
+        backward = [line for line in capfd.readouterr().err.splitlines() if "fastmha: backward" in line]
+        assert len(backward) == 1
+        if need_weights:
+            assert "-> fastmha-cpu" in backward[0] and "kept its weights" in backward[0]
+        else:
+            assert "-> torch-cpu-flash" in backward[0]
+
+
 def test_block_without_weights_takes_the_same_choice(monkeypatch, capfd):
     monkeypatch.setenv("FASTMHA_LOG_KERNELS", "1")
     block = fastmha.MultiHeadAttentionBlock(32, 4, 0.0, need_weights=False)

@@ -1,11 +1,12 @@
 // Autograd for the attention core, in C++ so TorchScript and C++ callers can train. The forward saves the
-// per-row log-sum-exp and the dropout rng_state; the backward op recomputes the weights from them, or, where it
-// can (weights_serve_backward), reads the weights the call kept.
+// per-row log-sum-exp and the dropout rng_state; the backward op recomputes the weights from them, or, where they
+// serve it (weights_serve_backward), reads the weights the call kept.
 #include <torch/autograd.h>
 #include <torch/library.h>
 
 #include "ops/attention_ops.h"
 #include "ops/broadcast_mask.h"
+#include "ops/kernel_choice.h"
 
 namespace fastmha {
 namespace {
@@ -21,7 +22,8 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     const std::optional<at::Tensor> mask = mask_to_save(user_mask, query);
     auto [output, weights, logsumexp, rng_state] =
         detail::attention_forward(query, key, value, mask, dropout_p, need_weights, is_causal);
-    const bool save_weights = need_weights && detail::weights_serve_backward(weights, dropout_p);
+    const AttentionCall call{query, key, value, mask, dropout_p, need_weights, is_causal};
+    const bool save_weights = weights_serve_backward(call, weights);
     ctx->save_for_backward({query, key, value, mask.value_or(at::Tensor()), output, logsumexp, rng_state,
                             save_weights ? weights : at::Tensor()});
     ctx->saved_data["dropout_p"] = dropout_p;

@@ -6,6 +6,8 @@
 
 #include "ops/attention_ops.h"
 #include "ops/broadcast_mask.h"
+#include "ops/heads.h"
+#include "ops/kernel_choice.h"
 
 namespace fastmha {
 namespace {
@@ -23,7 +25,10 @@ class MultiHeadAttentionFunction : public torch::autograd::Function<MultiHeadAtt
     auto [output, weights, query_proj, key_proj, value_proj, context, logsumexp, rng_state] =
         detail::multi_head_attention_forward(query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p,
                                              need_weights, is_causal);
-    const bool save_weights = need_weights && detail::weights_serve_backward(weights, dropout_p);
+    // The attention core's call, on the heads of the projections.
+    const auto q = split_heads(query_proj, num_heads), k = split_heads(key_proj, num_heads);
+    const auto v = split_heads(value_proj, num_heads);
+    const bool save_weights = weights_serve_backward({q, k, v, mask, dropout_p, need_weights, is_causal}, weights);
     ctx->save_for_backward({query, key, value, w_q, w_k, w_v, w_o, query_proj, key_proj, value_proj, context, logsumexp,
                             rng_state, mask.value_or(at::Tensor()), save_weights ? weights : at::Tensor()});
     ctx->saved_data["num_heads"] = num_heads;

@@ -247,11 +247,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
     const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p, bool is_causal,
     const std::optional<at::Tensor>& weights) {
   check_kept_weights(weights, query, key);
-  const AttentionCall call{query, key, value, mask, dropout_p, weights_kept(grad_weights), is_causal, Pass::kBackward};
+  const auto dtype = query.scalar_type();
+  const auto acc = at::toOpMathType(dtype);
+  // The kept weights serve in the accumulation type (half-type ones are too coarse to stand for P) and without
+  // dropout (they are no softmax then; recomputing the scores measured as fast as reading them and the mask).
+  const bool weights_serve = weights.has_value() && dtype == acc && dropout_p == 0;
+  AttentionCall call{query, key, value, mask, dropout_p, weights_kept(grad_weights), is_causal, Pass::kBackward};
+  call.weights_at_hand = weights_serve;
   if (choose_kernel_logged(call).kernel == AttentionKernel::kStockCpu) {
     return stock::attention_backward(grad_output, query, key, value, mask, output, logsumexp, is_causal, std::nullopt);
   }
-  const auto acc = at::toOpMathType(query.scalar_type());
   const int64_t batch = query.size(0), heads = query.size(1), len_q = query.size(2), len_k = key.size(2);
   const int64_t d_k = query.size(3), d_v = value.size(3);
   const int64_t heads_total = batch * heads;
@@ -271,7 +276,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
                                           : std::clamp<int64_t>((2 * threads + heads_total - 1) / heads_total, 1,
                                                                 std::max<int64_t>(chunks, 1));
   const auto acc_options = query.options().dtype(acc);
-  const auto dtype = query.scalar_type();
   // The blocked backward multiplies in the half type as the forward does (ops/cpu/half_gemm.h); or, with
   // products widened, its tasks widen q/k/v, dO and O and round their dQ rows (ops/cpu/widened_rows.h).
   const auto half_mode = cpu::half_gemm_mode();
@@ -298,10 +302,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
   const auto state = rng_state.to(at::kCPU).contiguous();
   const auto* seed_offset = state.const_data_ptr<int64_t>();
   const auto half_grad_out = half ? kernel_operand(grad_output, dtype) : at::Tensor();
-  // The blocked backward takes P from kept weights in the accumulation type (half-type ones are too coarse for it).
-  // With dropout they are not P; recomputing the scores measured as fast as reading them and the dropout mask.
-  const auto kept =
-      use_output && dtype == acc && dropout_p == 0 && weights.has_value() ? weights->contiguous() : at::Tensor();
+  const auto kept = use_output && weights_serve ? weights->contiguous() : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES(acc, "fastmha_cpu_attention_backward", [&] {
     auto in = kernel_inputs<scalar_t>(q, k, v, mask_view, dropout_p, is_causal, seed_offset[0], seed_offset[1],
                                       Pass::kBackward);
