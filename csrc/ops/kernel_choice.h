@@ -26,7 +26,8 @@ const char* kernel_name(AttentionKernel kernel);
 
 enum class Pass { kForward, kBackward };
 
-// What a call asks for. `need_weights` is true for a backward whose forward kept the weights.
+// What a call asks for. In a backward `need_weights` is true when the weights carry a gradient (the loss read the
+// weights its forward kept), and `weights_at_hand` when the kept weights themselves are given.
 struct AttentionCall {
   const at::Tensor& query;
   const at::Tensor& key;
@@ -59,8 +60,8 @@ inline bool weights_kept(const std::optional<at::Tensor>& grad_weights) {
 // instead of recomputing the scores: where fastmha's CPU kernel runs that backward (when the loss does not read the
 // weights), in float32 or float64 (half-type weights are too coarse to stand for the fp32 softmax), without dropout
 // (the weights are then no softmax; reading them measured no faster than recomputing them and the mask). Elsewhere
-// saving them would only hold memory. While a graph compiler traces (symbolic sizes, or fake tensors with no data
-// for the mask's scan) the choice cannot be made, and they are saved.
+// saving them would only hold memory. With symbolic sizes (a graph compiler tracing) the choice's size checks cannot
+// run: the weights are then saved unless FASTMHA_CPU_KERNELS=stock.
 bool weights_serve_backward(const AttentionCall& forward_call, const at::Tensor& weights);
 
 // choose_kernel, and the choice printed to stderr when FASTMHA_LOG_KERNELS=1.
