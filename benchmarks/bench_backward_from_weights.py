@@ -12,8 +12,6 @@ recompute time / weights time (> 1: reading the weights is faster). Results are 
 """
 
 import argparse
-import datetime
-import json
 import os
 import statistics
 import sys
@@ -22,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-import fastmha
-from fastmha.info import cpu_lines
+import fastmha  # noqa: F401 (loads the ops)
+from results_report import machine_header, markdown, write_results
 
 OPS = torch.ops.fastmha
 SIZES = [(8, 512), (4, 1024), (1, 4096)]
@@ -62,13 +60,11 @@ COLUMNS = {"mask": lambda r: r["mask"], "B": lambda r: r["batch"], "L": lambda r
            "ratio": lambda r: r["ratio"]}
 
 
-def markdown(header, rows, head_dim, repeats):
+def results_page(header, rows, head_dim, repeats):
     title = "# CPU backward of a call without dropout that kept its weights: reading them or recomputing them"
     setup = (f"(B, 8, L, {head_dim}) float32, dropout 0, fastmha's own CPU kernels, `_attention_backward` on one "
              f"forward's saved tensors, interleaved, medians of {repeats}; ratio = recompute / weights.")
-    table = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    table += ["| " + " | ".join(str(cell(r)) for cell in COLUMNS.values()) + " |" for r in rows]
-    return "\n".join([title, "", *[f"- {line}" for line in header], "", setup, "", *table]) + "\n"
+    return markdown(title, header, setup, COLUMNS, rows)
 
 
 def main():
@@ -80,8 +76,7 @@ def main():
     args = parser.parse_args()
     os.environ["FASTMHA_CPU_KERNELS"] = "own"
     repeats = 1 if args.quick else args.repeats
-    header = [f"fastmha {fastmha.__version__} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
-              f"{datetime.date.today()}", *cpu_lines()]
+    header = machine_header()
     print("\n".join(header), flush=True)
     rows = []
     for mask_kind in ("none", "padding"):
@@ -91,9 +86,7 @@ def main():
             print(f"{mask_kind:8s} B{batch} L{length} d{args.head_dim} recompute {row['ms']['recompute']:8.2f} ms  "
                   f"weights {row['ms']['weights']:8.2f} ms  ratio {row['ratio']:.2f}", flush=True)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".json").write_text(json.dumps({"machine": header, "rows": rows}, indent=1) + "\n")
-        args.out.with_suffix(".md").write_text(markdown(header, rows, args.head_dim, repeats))
+        write_results(args.out, header, rows, results_page(header, rows, args.head_dim, repeats))
     return 0
 
 

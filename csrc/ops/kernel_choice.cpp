@@ -63,13 +63,13 @@ KernelChoice choose_cpu(const AttentionCall& call) {
             "the backward of a call that kept its weights without dropout: fastmha's kernel takes the "
             "softmax from them instead of recomputing the scores"};
   }
-  // Measured with benchmarks/bench_kernel_choice.py (all kernels interleaved in one run; the results are in
-  // benchmarks/results/). Without a mask, fastmha's float32 kernels (keys in cache-sized blocks, an online
-  // softmax in the forward) and torch's flash kernel are about even from 128 to 8192 keys, within this
-  // machine's noise; the forward then stays with torch's (except in half types without native products, below), and
-  // the backward with fastmha's up to 2048 keys, where it measured faster. In half types fastmha's backward wins
-  // unless the processor multiplies them natively (torch's backward then runs on those instructions; without them
-  // it is several times slower than ours).
+  // Measured with benchmarks/bench_kernel_choice.py and bench_cpu_backward_kernels.py (kernels interleaved in one
+  // run; the results are in benchmarks/results/). Without a mask, fastmha's float32 forward (keys in cache-sized
+  // blocks, an online softmax) and torch's flash kernel are about even from 128 to 8192 keys, within this machine's
+  // noise; the forward then stays with torch's (except in half types without native products, below). fastmha's
+  // blocked backward measured faster at every length (float32 1.03-1.28x torch's at 1024-8192 keys, float64
+  // 1.24-1.28x). In half types it wins unless the processor multiplies them natively (torch's backward then runs on
+  // those instructions; without them it is several times slower than ours).
   // A mask turns the choice around: fastmha's kernel computes only the runs of keys some query of a chunk sees
   // (padding, causal or block-sparse masks), torch's computes all (3.7x faster or more with 10-25% of the keys
   // visible, float32).
@@ -100,20 +100,13 @@ KernelChoice choose_cpu(const AttentionCall& call) {
     }
     return {K::kStockCpu, "forward without kept weights or dropout: torch's CPU flash kernel is as fast or faster"};
   }
-  if (native_half) {
-    if (span <= own_pays_below) {
-      return {K::kOwnCpu, skipped};
-    }
+  if (native_half && span > own_pays_below) {
     return {K::kStockCpu, "backward in a half type this processor multiplies natively: torch's CPU flash kernel"};
   }
-  constexpr int64_t kOwnBackwardLongestKeys = 2048;
-  if (!half && span * static_cast<double>(call.key.size(2)) > kOwnBackwardLongestKeys) {
-    if (span <= own_pays_below) {
-      return {K::kOwnCpu, skipped};
-    }
-    return {K::kStockCpu, "backward with more than 2048 keys: torch's CPU flash backward is as fast there"};
+  if (span <= own_pays_below) {
+    return {K::kOwnCpu, skipped};
   }
-  return {K::kOwnCpu, "backward without native half-type products: fastmha's kernel is as fast or faster"};
+  return {K::kOwnCpu, "backward: fastmha's blocked kernel is as fast as torch's or faster"};
 }
 
 KernelChoice choose_cuda(const AttentionCall& call) {
@@ -205,10 +198,11 @@ KernelChoice choose_kernel(const AttentionCall& call) {
   TORCH_CHECK(false, "fastmha: no kernels for device ", call.query.device());
 }
 
-bool weights_serve_backward(const AttentionCall& forward_call, const at::Tensor& weights) {
-  const auto dtype = weights.defined() ? weights.scalar_type() : at::kFloat;
-  if (!forward_call.need_weights || forward_call.dropout_p != 0 || !weights.defined() || !weights.device().is_cpu() ||
-      (dtype != at::kFloat && dtype != at::kDouble)) {
+bool weights_serve_backward(const AttentionCall& forward_call) {
+  // The kept weights have the query's dtype and device.
+  const auto& query = forward_call.query;
+  if (!forward_call.need_weights || !query.device().is_cpu() ||
+      !weights_stand_for_softmax(query.scalar_type(), forward_call.dropout_p)) {
     return false;
   }
   const auto symbolic = [](const at::Tensor& t) { return t.unsafeGetTensorImpl()->has_symbolic_sizes_strides(); };

@@ -56,13 +56,19 @@ inline bool weights_kept(const std::optional<at::Tensor>& grad_weights) {
   return grad_weights.has_value() && grad_weights->defined();
 }
 
+// Whether kept weights can stand for the softmax P in a backward: in float32 or float64 (half-type weights are too
+// coarse to stand for the fp32 softmax) and without dropout (the weights are then no softmax; reading them measured no
+// faster than recomputing them and the mask).
+inline bool weights_stand_for_softmax(at::ScalarType dtype, double dropout_p) {
+  return (dtype == at::kFloat || dtype == at::kDouble) && dropout_p == 0;
+}
+
 // Whether the weights that a forward call kept should be saved for its backward, which then takes P from them
-// instead of recomputing the scores: where fastmha's CPU kernel runs that backward (when the loss does not read the
-// weights), in float32 or float64 (half-type weights are too coarse to stand for the fp32 softmax), without dropout
-// (the weights are then no softmax; reading them measured no faster than recomputing them and the mask). Elsewhere
-// saving them would only hold memory. With symbolic sizes (a graph compiler tracing) the choice's size checks cannot
-// run: the weights are then saved unless FASTMHA_CPU_KERNELS=stock.
-bool weights_serve_backward(const AttentionCall& forward_call, const at::Tensor& weights);
+// instead of recomputing the scores: where they stand for the softmax (above) and fastmha's CPU kernel runs that
+// backward (when the loss does not read the weights). Elsewhere saving them would only hold memory. With symbolic
+// sizes (a graph compiler tracing) the choice's size checks cannot run: the weights are then saved unless
+// FASTMHA_CPU_KERNELS=stock.
+bool weights_serve_backward(const AttentionCall& forward_call);
 
 // choose_kernel, and the choice printed to stderr when FASTMHA_LOG_KERNELS=1.
 KernelChoice choose_kernel_logged(const AttentionCall& call);

@@ -66,6 +66,17 @@ def test_bench_backward_from_weights_quick_run(tmp_path):
     assert "| padding | 1 | 128 |" in out.with_suffix(".md").read_text()
 
 
+def test_bench_cpu_backward_kernels_quick_run(tmp_path):
+    out = tmp_path / "backward-kernels"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cpu_backward_kernels.py"), "--quick", "--out",
+                    str(out)], check=True, capture_output=True, timeout=300)
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert {r["mask"] for r in result["rows"]} == {"none", "padding"}
+    assert all(r["ms"]["own"] > 0 and r["ms"]["stock"] > 0 for r in result["rows"])
+    assert any(line.startswith("cpu isa:") for line in result["machine"])
+    assert "| float32 | padding | 64 | 1 | 128 |" in out.with_suffix(".md").read_text()
+
+
 def test_bench_model_quick_run_trains_and_decodes_with_every_block(tmp_path):
     out = tmp_path / "model"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_model.py"), "--quick", "--out", str(out)],

@@ -90,7 +90,9 @@ def test_backward_kernel_depends_on_native_half_products():
     for dtype, stock in native_products().items():
         q, k, v = qkv(dtype=dtype)
         expected = "torch-cpu-flash" if stock else "fastmha-cpu"
-        assert choices(q, k, v, need_weights=False)["backward"][0] == expected, dtype
+        # Half-type weights are never handed to the backward, so keeping them changes nothing there.
+        for need_weights in (False, True):
+            assert choices(q, k, v, need_weights=need_weights)["backward"][0] == expected, (dtype, need_weights)
 
 
 def test_cases_torchs_kernel_cannot_serve_stay_with_fastmha(monkeypatch):
@@ -266,8 +268,8 @@ def test_kept_weights_forward_with_unused_weights_backward(monkeypatch):
 
 
 def test_backward_given_kept_weights_runs_fastmhas_kernel_at_any_length(monkeypatch, capfd):
-    # Over 2048 keys without a mask the backward is torch's, unless the forward kept its weights (float32, no
-    # dropout): fastmha's then takes the softmax from them.
+    # Past 2048 keys without a mask too: with kept weights (float32, no dropout) fastmha's backward takes the
+    # softmax from them, without it recomputes the scores.
     monkeypatch.setenv("FASTMHA_LOG_KERNELS", "1")
     q = torch.randn(1, 2, 4, 8, requires_grad=True)
     k, v = (torch.randn(1, 2, 2100, 8, requires_grad=True) for _ in range(2))
@@ -276,10 +278,11 @@ def test_backward_given_kept_weights_runs_fastmhas_kernel_at_any_length(monkeypa
         out.sum().backward()
         backward = [line for line in capfd.readouterr().err.splitlines() if "fastmha: backward" in line]
         assert len(backward) == 1
-        if need_weights:
-            assert "-> fastmha-cpu" in backward[0] and "kept its weights" in backward[0]
-        else:
-            assert "-> torch-cpu-flash" in backward[0]
+        # fastmha.explain tells the same backward (that of a loss that does not read the weights).
+        explained_kernel, explained_reason = choices(q, k, v, need_weights=need_weights)["backward"]
+        assert backward[0].endswith(f"-> {explained_kernel} ({explained_reason})"), (backward[0], explained_reason)
+        assert "-> fastmha-cpu" in backward[0]
+        assert ("kept its weights" in backward[0]) == need_weights, backward[0]
 
 
 def test_block_without_weights_takes_the_same_choice(monkeypatch, capfd):

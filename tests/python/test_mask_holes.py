@@ -194,10 +194,10 @@ def test_gradient_through_the_kept_weights(own_kernels, scores, dtype):
         assert_close(g, w, dtype)
 
 
-def test_float32_backward_past_2048_keys_takes_fastmhas_kernel_when_a_mask_skips_enough():
+def test_float32_backward_past_2048_keys_says_when_a_mask_skips_keys():
     q, k, v = (torch.randn(1, 1, 4096, 64) for _ in range(3))
     causal = torch.ones(4096, 4096, dtype=torch.bool).tril()  # about half the keys computed
     backward = fastmha.explain(q, k, v, causal, need_weights=False).splitlines()[1]
     assert backward.startswith("backward fastmha-cpu: a mask that leaves"), backward
     backward = fastmha.explain(q, k, v, None, need_weights=False).splitlines()[1]
-    assert backward.startswith("backward torch-cpu-flash"), backward
+    assert backward.startswith("backward fastmha-cpu: backward: fastmha's blocked kernel"), backward

@@ -23,7 +23,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     auto [output, weights, logsumexp, rng_state] =
         detail::attention_forward(query, key, value, mask, dropout_p, need_weights, is_causal);
     const AttentionCall call{query, key, value, mask, dropout_p, need_weights, is_causal};
-    const bool save_weights = weights_serve_backward(call, weights);
+    const bool save_weights = weights.defined() && weights_serve_backward(call);
     ctx->save_for_backward({query, key, value, mask.value_or(at::Tensor()), output, logsumexp, rng_state,
                             save_weights ? weights : at::Tensor()});
     ctx->saved_data["dropout_p"] = dropout_p;

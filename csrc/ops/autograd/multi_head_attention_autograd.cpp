@@ -28,7 +28,8 @@ class MultiHeadAttentionFunction : public torch::autograd::Function<MultiHeadAtt
     // The attention core's call, on the heads of the projections.
     const auto q = split_heads(query_proj, num_heads), k = split_heads(key_proj, num_heads);
     const auto v = split_heads(value_proj, num_heads);
-    const bool save_weights = weights_serve_backward({q, k, v, mask, dropout_p, need_weights, is_causal}, weights);
+    const bool save_weights =
+        weights.defined() && weights_serve_backward({q, k, v, mask, dropout_p, need_weights, is_causal});
     ctx->save_for_backward({query, key, value, w_q, w_k, w_v, w_o, query_proj, key_proj, value_proj, context, logsumexp,
                             rng_state, mask.value_or(at::Tensor()), save_weights ? weights : at::Tensor()});
     ctx->saved_data["num_heads"] = num_heads;

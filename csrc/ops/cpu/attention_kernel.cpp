@@ -249,9 +249,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
   check_kept_weights(weights, query, key);
   const auto dtype = query.scalar_type();
   const auto acc = at::toOpMathType(dtype);
-  // The kept weights serve in the accumulation type (half-type ones are too coarse to stand for P) and without
-  // dropout (they are no softmax then; recomputing the scores measured as fast as reading them and the mask).
-  const bool weights_serve = weights.has_value() && dtype == acc && dropout_p == 0;
+  const bool weights_serve = weights.has_value() && weights_stand_for_softmax(dtype, dropout_p);
   AttentionCall call{query, key, value, mask, dropout_p, weights_kept(grad_weights), is_causal, Pass::kBackward};
   call.weights_at_hand = weights_serve;
   if (choose_kernel_logged(call).kernel == AttentionKernel::kStockCpu) {

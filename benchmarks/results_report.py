@@ -1,0 +1,29 @@
+"""What the small CPU benchmarks share: their header (versions, CPU model and ISA) and their results files."""
+
+import datetime
+import json
+
+import torch
+
+import fastmha
+from fastmha.info import cpu_lines
+
+
+def machine_header():
+    """Lines saying what ran: fastmha, torch, threads, date, CPU model and ISA (printed and written with results)."""
+    return [f"fastmha {fastmha.__version__} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
+            f"{datetime.date.today()}", *cpu_lines()]
+
+
+def markdown(title, header, setup, columns, rows):
+    """A results page: title, the machine header, the setup sentence, and a table of columns {name: cell(row)}."""
+    table = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    table += ["| " + " | ".join(str(cell(r)) for cell in columns.values()) + " |" for r in rows]
+    return "\n".join([title, "", *[f"- {line}" for line in header], "", setup, "", *table]) + "\n"
+
+
+def write_results(out, header, rows, page):
+    """OUT.json (machine header and rows) and OUT.md (the page)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"machine": header, "rows": rows}, indent=1) + "\n")
+    out.with_suffix(".md").write_text(page)
