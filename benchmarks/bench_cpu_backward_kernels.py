@@ -51,9 +51,9 @@ def measure(dtype, mask_kind, head_dim, batch, length, repeats):
                 start = time.perf_counter()
                 OPS._attention_backward(*args)
                 kernel_times.append(time.perf_counter() - start)
-    ms = {kernel: round(1e3 * statistics.median(t), 1) for kernel, t in times.items()}
-    return {"dtype": dtype, "mask": mask_kind, "head_dim": head_dim, "batch": batch, "length": length, "ms": ms,
-            "ratio": round(ms["stock"] / ms["own"], 2)}
+    ms = {kernel: 1e3 * statistics.median(t) for kernel, t in times.items()}
+    return {"dtype": dtype, "mask": mask_kind, "head_dim": head_dim, "batch": batch, "length": length,
+            "ms": {kernel: round(t, 3) for kernel, t in ms.items()}, "ratio": round(ms["stock"] / ms["own"], 2)}
 
 
 COLUMNS = {"dtype": lambda r: r["dtype"], "mask": lambda r: r["mask"], "d": lambda r: r["head_dim"],

@@ -106,7 +106,7 @@ KernelChoice choose_cpu(const AttentionCall& call) {
   if (span <= own_pays_below) {
     return {K::kOwnCpu, skipped};
   }
-  return {K::kOwnCpu, "backward: fastmha's blocked kernel is as fast as torch's or faster"};
+  return {K::kOwnCpu, "fastmha's backward is as fast as torch's or faster"};
 }
 
 KernelChoice choose_cuda(const AttentionCall& call) {

@@ -62,8 +62,8 @@ def explain(
 
     Returns two lines, ``"forward <kernel>: <reason>"`` and ``"backward <kernel>: <reason>"``; a kernel is one of
     ``fastmha-cpu``, ``torch-cpu-flash``, ``fastmha-cuda``, ``torch-cuda-sdpa`` and ``aten-composite``. The
-    backward line is the backward of a loss that does not read the kept weights (the usual case: a loss that
-    reads them always runs fastmha's kernel). The block (``multi_head_attention``) makes the same choices for its
+    backward line is the backward of a loss that does not read the kept weights (the usual case; on CPU a loss
+    that reads them runs ``fastmha-cpu``). The block (``multi_head_attention``) makes the same choices for its
     heads-split tensors. Set
     ``FASTMHA_LOG_KERNELS=1`` to have every call print its choice to stderr.
     """

@@ -3,6 +3,7 @@ measure, tests don't), so a script that runs only now and then (on a GPU machine
 cannot rot in between."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -68,8 +69,12 @@ def test_bench_backward_from_weights_quick_run(tmp_path):
 
 def test_bench_cpu_backward_kernels_quick_run(tmp_path):
     out = tmp_path / "backward-kernels"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cpu_backward_kernels.py"), "--quick", "--out",
-                    str(out)], check=True, capture_output=True, timeout=300)
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cpu_backward_kernels.py"), "--quick",
+                          "--out", str(out)], check=True, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "FASTMHA_LOG_KERNELS": "1"})
+    # Both kernels ran the backward.
+    backward = {line.split(" -> ")[1].split()[0] for line in run.stderr.splitlines() if "fastmha: backward" in line}
+    assert backward == {"fastmha-cpu", "torch-cpu-flash"}, run.stderr
     result = json.loads(out.with_suffix(".json").read_text())
     assert {r["mask"] for r in result["rows"]} == {"none", "padding"}
     assert all(r["ms"]["own"] > 0 and r["ms"]["stock"] > 0 for r in result["rows"])
