@@ -34,12 +34,11 @@ def padding_mask(batch, length):
 
 
 def measure(batch, length, head_dim, mask_kind, repeats):
-    dropout_p = 0.0
     q, k, v = (torch.randn(batch, 8, length, head_dim) for _ in range(3))
     mask = padding_mask(batch, length) if mask_kind == "padding" else None
-    out, weights, lse, rng_state = OPS._attention_forward(q, k, v, mask, dropout_p, True, False)
+    out, weights, lse, rng_state = OPS._attention_forward(q, k, v, mask, 0.0, True, False)
     grad_out = torch.randn_like(out)
-    args = (grad_out, None, q, k, v, mask, out, lse, rng_state, dropout_p, False)
+    args = (grad_out, None, q, k, v, mask, out, lse, rng_state, 0.0, False)
     calls = {"recompute": lambda: OPS._attention_backward(*args),
              "weights": lambda: OPS._attention_backward(*args, weights)}
     for call in calls.values():  # warm-up

@@ -25,11 +25,13 @@ class MultiHeadAttentionFunction : public torch::autograd::Function<MultiHeadAtt
     auto [output, weights, query_proj, key_proj, value_proj, context, logsumexp, rng_state] =
         detail::multi_head_attention_forward(query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p,
                                              need_weights, is_causal);
-    // The attention core's call, on the heads of the projections.
-    const auto q = split_heads(query_proj, num_heads), k = split_heads(key_proj, num_heads);
-    const auto v = split_heads(value_proj, num_heads);
-    const bool save_weights =
-        weights.defined() && weights_serve_backward({q, k, v, mask, dropout_p, need_weights, is_causal});
+    // Asked of the attention core's call, on the heads of the projections, when the weights were kept.
+    const auto weights_serve = [&] {
+      const auto q = split_heads(query_proj, num_heads), k = split_heads(key_proj, num_heads);
+      const auto v = split_heads(value_proj, num_heads);
+      return weights_serve_backward({q, k, v, mask, dropout_p, need_weights, is_causal});
+    };
+    const bool save_weights = need_weights && weights.defined() && weights_serve();
     ctx->save_for_backward({query, key, value, w_q, w_k, w_v, w_o, query_proj, key_proj, value_proj, context, logsumexp,
                             rng_state, mask.value_or(at::Tensor()), save_weights ? weights : at::Tensor()});
     ctx->saved_data["num_heads"] = num_heads;
