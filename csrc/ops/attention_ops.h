@@ -9,6 +9,11 @@
 
 namespace fastmha::detail {
 
+// A tensor that autograd saved or passed, undefined where there was none, as the ops' optional argument.
+inline std::optional<at::Tensor> optional_if_defined(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
 // (output, weights or empty, logsumexp (batch, h, Lq) in the accumulation dtype, rng_state int64[2])
 using AttentionForwardResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 

@@ -40,13 +40,13 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const auto mask = saved[3].defined() ? std::optional<at::Tensor>(saved[3]) : std::nullopt;
-    const auto grad_weights = grads[1].defined() ? std::optional<at::Tensor>(grads[1]) : std::nullopt;
+    const auto mask = detail::optional_if_defined(saved[3]);
+    const auto grad_weights = detail::optional_if_defined(grads[1]);
     const auto grad_output = grads[0].defined() ? grads[0] : at::zeros_like(saved[4]);
-    auto [grad_query, grad_key, grad_value] = detail::attention_backward(
-        grad_output, grad_weights, saved[0], saved[1], saved[2], mask, saved[4], saved[5], saved[6],
-        ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["is_causal"].toBool(),
-        saved[7].defined() ? std::optional<at::Tensor>(saved[7]) : std::nullopt);
+    auto [grad_query, grad_key, grad_value] =
+        detail::attention_backward(grad_output, grad_weights, saved[0], saved[1], saved[2], mask, saved[4], saved[5],
+                                   saved[6], ctx->saved_data["dropout_p"].toDouble(),
+                                   ctx->saved_data["is_causal"].toBool(), detail::optional_if_defined(saved[7]));
     return {grad_query, grad_key, grad_value, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };

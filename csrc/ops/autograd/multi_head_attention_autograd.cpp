@@ -49,15 +49,15 @@ class MultiHeadAttentionFunction : public torch::autograd::Function<MultiHeadAtt
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto s = ctx->get_saved_variables();
-    const auto mask = s[13].defined() ? std::optional<at::Tensor>(s[13]) : std::nullopt;
-    const auto grad_weights = grads[1].defined() ? std::optional<at::Tensor>(grads[1]) : std::nullopt;
+    const auto mask = detail::optional_if_defined(s[13]);
+    const auto grad_weights = detail::optional_if_defined(grads[1]);
     // The output has the merged context's shape and dtype (w_o is d_model x d_model).
     const auto grad_output = grads[0].defined() ? grads[0] : at::zeros_like(s[10]);
     auto [grad_query, grad_key, grad_value, grad_w_q, grad_w_k, grad_w_v, grad_w_o] =
         detail::multi_head_attention_backward(
             grad_output, grad_weights, s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9], s[10], s[11], s[12],
             ctx->saved_data["num_heads"].toInt(), mask, ctx->saved_data["dropout_p"].toDouble(),
-            ctx->saved_data["is_causal"].toBool(), s[14].defined() ? std::optional<at::Tensor>(s[14]) : std::nullopt);
+            ctx->saved_data["is_causal"].toBool(), detail::optional_if_defined(s[14]));
     return {grad_query, grad_key,     grad_value,   grad_w_q,     grad_w_k,     grad_w_v,
             grad_w_o,   at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
