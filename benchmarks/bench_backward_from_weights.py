@@ -13,15 +13,13 @@ recompute time / weights time (> 1: reading the weights is faster). Results are 
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 import fastmha  # noqa: F401 (loads the ops)
-from results_report import machine_header, markdown, write_results
+from bench_common import interleaved_ms, machine_header, markdown, write_results
 
 OPS = torch.ops.fastmha
 SIZES = [(8, 512), (4, 1024), (1, 4096)]
@@ -41,15 +39,7 @@ def measure(batch, length, head_dim, mask_kind, repeats):
     args = (grad_out, None, q, k, v, mask, out, lse, rng_state, 0.0, False)
     calls = {"recompute": lambda: OPS._attention_backward(*args),
              "weights": lambda: OPS._attention_backward(*args, weights)}
-    for call in calls.values():  # warm-up
-        call()
-    times = {name: [] for name in calls}
-    for _ in range(repeats):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - start)
-    ms = {name: round(1e3 * statistics.median(t), 2) for name, t in times.items()}
+    ms = {name: round(t, 2) for name, t in interleaved_ms(calls, repeats).items()}
     return {"batch": batch, "length": length, "head_dim": head_dim, "mask": mask_kind,
             "ms": ms, "ratio": round(ms["recompute"] / ms["weights"], 2)}
 

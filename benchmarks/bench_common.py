@@ -1,12 +1,29 @@
-"""What the small CPU benchmarks share: their header (versions, CPU model and ISA) and their results files."""
+"""What the small CPU benchmarks share: interleaved timing, their header (versions, CPU model and ISA) and their
+results files."""
 
 import datetime
 import json
+import statistics
+import time
 
 import torch
 
 import fastmha
 from fastmha.info import cpu_lines
+
+
+def interleaved_ms(calls, repeats):
+    """Median milliseconds of each of calls {name: fn}: one warm-up call each, then repeats rounds that call every
+    one in turn (so drift hits them alike)."""
+    for call in calls.values():
+        call()
+    times = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
 
 def machine_header():

@@ -12,15 +12,13 @@ ratio is stock time / own time (> 1: fastmha's is faster). Results are stamped w
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 import fastmha  # noqa: F401 (loads the ops)
-from results_report import machine_header, markdown, write_results
+from bench_common import interleaved_ms, machine_header, markdown, write_results
 
 OPS = torch.ops.fastmha
 # (dtype, mask, head_dim, batch, length)
@@ -42,16 +40,12 @@ def measure(dtype, mask_kind, head_dim, batch, length, repeats):
     os.environ["FASTMHA_CPU_KERNELS"] = "own"
     out, _, lse, rng_state = OPS._attention_forward(q, k, v, mask, 0.0, False, False)
     args = (torch.randn_like(out), None, q, k, v, mask, out, lse, rng_state, 0.0, False)
-    times = {"own": [], "stock": []}
-    for rounds in (1, repeats):  # a warm-up round, then the measured ones
-        times = {kernel: [] for kernel in times}
-        for _ in range(rounds):
-            for kernel, kernel_times in times.items():
-                os.environ["FASTMHA_CPU_KERNELS"] = kernel
-                start = time.perf_counter()
-                OPS._attention_backward(*args)
-                kernel_times.append(time.perf_counter() - start)
-    ms = {kernel: 1e3 * statistics.median(t) for kernel, t in times.items()}
+
+    def backward_on(kernel):
+        os.environ["FASTMHA_CPU_KERNELS"] = kernel
+        OPS._attention_backward(*args)
+
+    ms = interleaved_ms({kernel: lambda kernel=kernel: backward_on(kernel) for kernel in ("own", "stock")}, repeats)
     return {"dtype": dtype, "mask": mask_kind, "head_dim": head_dim, "batch": batch, "length": length,
             "ms": {kernel: round(t, 3) for kernel, t in ms.items()}, "ratio": round(ms["stock"] / ms["own"], 2)}
 
