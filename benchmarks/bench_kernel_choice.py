@@ -2,7 +2,8 @@
 choice (csrc/ops/kernel_choice.cpp).
 
 For each dtype, length and pass (forward under no_grad; forward + backward), one round runs, interleaved:
-  own    torch.ops.fastmha.attention with FASTMHA_CPU_KERNELS=own   (fastmha's fused kernels)
+  own    torch.ops.fastmha.attention with FASTMHA_CPU_KERNELS=own   (fastmha's fused kernels; half types widened
+         to fp32, FASTMHA_CPU_HALF_GEMM=widen)
   native the same with FASTMHA_CPU_HALF_GEMM=native as well        (half types only: the forward's products in
          the half type on the CPU's own instructions where it has them; the same as own elsewhere)
   stock  the same op with FASTMHA_CPU_KERNELS=stock                 (torch's CPU flash kernel behind the layer)
@@ -71,7 +72,10 @@ def make_mask(kind, batch, length):
 def run_once(kernel, q, k, v, mask, backward, need_weights):
     if kernel != "sdpa":
         os.environ["FASTMHA_CPU_KERNELS"] = "own" if kernel == "native" else kernel
-        os.environ["FASTMHA_CPU_HALF_GEMM"] = "native" if kernel == "native" else "widen"
+        if kernel in ("own", "native"):
+            os.environ["FASTMHA_CPU_HALF_GEMM"] = "native" if kernel == "native" else "widen"
+        else:  # the default products, as users get them
+            os.environ.pop("FASTMHA_CPU_HALF_GEMM", None)
     start = time.perf_counter()
     with torch.set_grad_enabled(backward):
         if kernel == "sdpa":

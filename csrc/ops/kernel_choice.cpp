@@ -3,6 +3,7 @@
 #include <ATen/Context.h>
 #include <c10/util/Exception.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -33,7 +34,27 @@ bool has_empty_input(const AttentionCall& call) {
   return call.query.numel() == 0 || call.key.numel() == 0 || call.value.numel() == 0;
 }
 
-KernelChoice choose_cpu(const AttentionCall& call) {
+// The share of the keys fastmha's CPU kernel computes for a call, estimated from a sample of its mask once per
+// choice and only when a rule asks (1 without a mask).
+class ComputedKeyShare {
+ public:
+  explicit ComputedKeyShare(const AttentionCall& call) : call_(call) {}
+  double get() {
+    if (!share_.has_value()) {
+      const auto& q = call_.query;
+      share_ = call_.mask.has_value()
+                   ? cpu::computed_key_fraction(*call_.mask, q.size(0), q.size(1), q.size(2), call_.key.size(2))
+                   : 1.0;
+    }
+    return *share_;
+  }
+
+ private:
+  const AttentionCall& call_;
+  std::optional<double> share_;
+};
+
+KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share) {
   const auto mode = switch_value("FASTMHA_CPU_KERNELS");
   TORCH_CHECK(mode == "auto" || mode == "own" || mode == "stock",
               "fastmha: FASTMHA_CPU_KERNELS must be auto, own or stock, got '", mode, "'");
@@ -66,42 +87,41 @@ KernelChoice choose_cpu(const AttentionCall& call) {
   // Measured with benchmarks/bench_kernel_choice.py and bench_cpu_backward_kernels.py (kernels interleaved in one
   // run; the results are in benchmarks/results/). Without a mask, fastmha's float32 forward (keys in cache-sized
   // blocks, an online softmax) and torch's flash kernel are about even from 128 to 8192 keys, within this machine's
-  // noise; the forward then stays with torch's (except in half types without native products, below). fastmha's
-  // blocked backward measured faster at every length (float32 1.03-1.28x torch's at 1024-8192 keys, float64
-  // 1.24-1.28x). In half types it wins unless the processor multiplies them natively (torch's backward then runs on
-  // those instructions; without them it is several times slower than ours).
+  // noise; the forward then stays with torch's (except in half types torch's kernel multiplies without AMX tiles,
+  // below). fastmha's blocked backward measured faster at every length (float32 1.03-1.28x torch's at 1024-8192
+  // keys, float64 1.24-1.28x). In half types it wins unless torch's kernels run them on AMX tiles (several times
+  // faster there); without tiles torch's half-type kernels are no faster than its float32 ones, also where the
+  // processor has AVX512-BF16 (Zen 4).
   // A mask turns the choice around: fastmha's kernel computes only the runs of keys some query of a chunk sees
   // (padding, causal or block-sparse masks), torch's computes all (3.7x faster or more with 10-25% of the keys
   // visible, float32).
   const auto dtype = call.query.scalar_type();
   const bool half = dtype == at::kBFloat16 || dtype == at::kHalf;
-  const bool native_half = cpu::native_products(dtype);
-  const double span = call.mask.has_value()
-                          ? cpu::computed_key_fraction(*call.mask, call.query.size(0), call.query.size(1),
-                                                       call.query.size(2), call.key.size(2))
-                          : 1.0;
+  const bool torch_on_tiles = cpu::torch_half_on_tiles(dtype);
+  const double span = key_share.get();
   // The largest share of the keys at which skipping the rest pays off: fastmha's kernel against torch's as
-  // measured without a mask (about even in float32 at any length; 0.2-0.4x where torch multiplies half types
-  // natively). Half types without native products take fastmha's kernel at any share.
-  const double own_pays_below = native_half ? 0.2 : 0.75;
+  // measured without a mask (about even in float32 at any length; 0.2-0.4x where torch multiplies half types on
+  // AMX tiles). Half types torch multiplies without tiles take fastmha's kernel at any share.
+  const double own_pays_below = torch_on_tiles ? 0.2 : 0.75;
   const std::string skipped = "a mask that leaves " + std::to_string(static_cast<int>(span * 100 + 0.5)) +
                               "% of the keys to compute: fastmha's kernel skips the rest";
   if (call.pass == Pass::kForward) {
     if (span <= own_pays_below) {
       return {K::kOwnCpu, skipped};
     }
-    if (half && !native_half) {
+    if (half && !torch_on_tiles) {
       // fastmha's forward, widened to fp32 for sgemm a head at a time in its tasks, measured on Zen 3 against
       // torch's: float16 1.3-2.1x faster at 128-8192 keys, d_k 64 and 128; bfloat16 1.2-1.6x faster at 128-512
-      // keys and even at 1024-4096.
+      // keys and even at 1024-4096. On Zen 4 (AVX512-BF16) bfloat16 1.3x at 128 keys widened and 1.7-1.8x at
+      // 256-4096 keys in native products; float16 (widened) 1.6-3.2x.
       const std::string type = dtype == at::kHalf ? "float16" : "bfloat16";
-      return {K::kOwnCpu,
-              type + " forward without native " + type + " products: torch's CPU flash kernel is as fast or slower"};
+      return {K::kOwnCpu, type + " forward without AMX tiles for " + type +
+                              " in torch's CPU flash kernel: fastmha's kernel is as fast or faster"};
     }
     return {K::kStockCpu, "forward without kept weights or dropout: torch's CPU flash kernel is as fast or faster"};
   }
-  if (native_half && span > own_pays_below) {
-    return {K::kStockCpu, "backward in a half type this processor multiplies natively: torch's CPU flash kernel"};
+  if (torch_on_tiles && span > own_pays_below) {
+    return {K::kStockCpu, "backward in a half type torch's CPU flash kernel multiplies on AMX tiles"};
   }
   if (span <= own_pays_below) {
     return {K::kOwnCpu, skipped};
@@ -185,10 +205,19 @@ void set_cuda_facts_provider(CudaFactsProvider provider) { cuda_facts_provider()
 
 KernelChoice choose_kernel(const AttentionCall& call) {
   if (call.query.is_cpu()) {
-    auto choice = choose_cpu(call);
-    if (choice.kernel == AttentionKernel::kOwnCpu) {
-      const auto products = cpu::half_products_note(call.query.scalar_type(), call.pass == Pass::kForward);
-      choice.reason += products.empty() ? "" : "; " + products;
+    ComputedKeyShare key_share(call);
+    auto choice = choose_cpu(call, key_share);
+    const auto dtype = call.query.scalar_type();
+    if (choice.kernel == AttentionKernel::kOwnCpu && (dtype == at::kBFloat16 || dtype == at::kHalf)) {
+      // The keys a row multiplies, for the products' choice: only `auto` on a CPU with native products reads the
+      // mask for them.
+      const auto mode = cpu::half_gemm_mode();
+      const int64_t len_k = call.key.size(2);
+      const int64_t keys = mode == cpu::HalfGemmMode::kAuto && cpu::native_half_products(dtype)
+                               ? std::llround(static_cast<double>(len_k) * key_share.get())
+                               : len_k;
+      choice.half_products = cpu::multiplies_in_half_type(dtype, mode, keys);
+      choice.reason += "; " + cpu::half_products_note(dtype, call.pass == Pass::kForward, keys);
     }
     return choice;
   }

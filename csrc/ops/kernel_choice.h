@@ -45,6 +45,9 @@ struct KernelChoice {
   AttentionKernel kernel;
   std::string reason;  // why this kernel and not the one before it in the list
   std::optional<stock::CudaBackend> sdpa_backend = std::nullopt;  // kStockCuda: the SDPA kernel to call
+  // kOwnCpu in bfloat16/float16: whether its products run in the half type rather than widened to fp32
+  // (FASTMHA_CPU_HALF_GEMM; `auto` counts the keys a row computes, from the mask's sample).
+  bool half_products = false;
 };
 
 KernelChoice choose_kernel(const AttentionCall& call);

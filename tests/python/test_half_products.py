@@ -196,6 +196,31 @@ def test_native_without_the_instructions_widens(monkeypatch, dtype):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+def test_auto_multiplies_natively_from_256_keys_a_row_computes(monkeypatch, dtype):
+    # The default: native products where the CPU has them once the rows multiply 256 keys or more (the keys a
+    # padding mask leaves), widened below (and on every other CPU).
+    native = native_products(dtype)
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
+    cases = ((255, None, "widen"), (256, None, "native"), (600, 100, "widen"), (600, 400, "native"))
+    for lk, visible, expected in cases:
+        expected = expected if native else "widen"
+        q, k, v, grad = half_inputs(dtype, lq=40, lk=lk)
+        mask = None if visible is None else padding([visible, visible], lk=lk)
+        monkeypatch.delenv("FASTMHA_CPU_HALF_GEMM", raising=False)
+        note = fastmha.explain(q, k, v, mask, 0.0, False).splitlines()[0]
+        assert ("own instructions" in note) is (expected == "native"), (lk, visible, note)
+        if not native:
+            assert "this CPU has no native" in note
+        elif expected == "widen":
+            assert "fewer than 256 keys a row multiplies" in note
+        got = run_and_oracle(q, k, v, mask, False, grad)[0]
+        monkeypatch.setenv("FASTMHA_CPU_HALF_GEMM", expected)
+        forced = run_and_oracle(q, k, v, mask, False, grad)[0]
+        assert torch.equal(got[0], forced[0]), (lk, visible)
+        assert all(torch.equal(a, b) for a, b in zip(got[2], forced[2])), (lk, visible)
+
+
 def test_float_types_have_no_products_note(monkeypatch):
     monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
     monkeypatch.setenv("FASTMHA_CPU_HALF_GEMM", "reference")
@@ -207,7 +232,7 @@ def test_bad_switch_value_is_named(monkeypatch):
     monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
     monkeypatch.setenv("FASTMHA_CPU_HALF_GEMM", "amx")
     q = torch.randn(1, 1, 4, 8, dtype=torch.bfloat16)
-    message = re.escape("FASTMHA_CPU_HALF_GEMM must be widen, native or reference, got 'amx'")
+    message = re.escape("FASTMHA_CPU_HALF_GEMM must be auto, widen, native or reference, got 'amx'")
     with pytest.raises(RuntimeError, match=message):
         torch.ops.fastmha.attention(q, q, q, None, 0.0, True, False)
     with pytest.raises(RuntimeError, match=message):

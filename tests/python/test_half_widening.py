@@ -17,6 +17,13 @@ OPS = torch.ops.fastmha
 HALF_TYPES = [torch.bfloat16, torch.float16]
 
 
+@pytest.fixture(autouse=True)
+def widened_products(monkeypatch):
+    """The widened path on every CPU: by default, CPUs with native half-type products multiply long rows in the
+    half type instead (test_half_products.py)."""
+    monkeypatch.setenv("FASTMHA_CPU_HALF_GEMM", "widen")
+
+
 def make(layout, b, h, length, d, dtype):
     return {"contiguous": contiguous, "heads interleaved": heads_interleaved, "strided rows": strided_rows}[layout](
         b, h, length, d, dtype)

@@ -45,17 +45,17 @@ def cpu_flags():
 
 def test_kept_weights_and_dropout_run_fastmhas_kernel():
     q, k, v = qkv(dtype=torch.bfloat16)
-    # The backward of a loss that does not read bfloat16 weights may be torch's (on CPUs with native products).
+    # The backward of a loss that does not read bfloat16 weights may be torch's (where its kernels use AMX tiles).
     assert choices(q, k, v, need_weights=True)["forward"][0] == "fastmha-cpu"
     assert kernel_of(*qkv(dtype=torch.float32), need_weights=True) == "fastmha-cpu"
     assert kernel_of(q, k, v, dropout_p=0.1, need_weights=False) == "fastmha-cpu"
     assert "dropout" in fastmha.explain(q, k, v, dropout_p=0.1, need_weights=False)
 
 
-def native_products():
-    """Whether torch's CPU kernels multiply each dtype natively on this CPU (as the choice sees it)."""
+def torch_on_tiles():
+    """Whether torch's CPU flash kernels multiply each dtype on AMX tiles on this CPU (as the choice sees it)."""
     flags = cpu_flags()
-    return {torch.bfloat16: bool({"avx512_bf16", "amx_bf16"} & flags), torch.float16: "avx512_fp16" in flags,
+    return {torch.bfloat16: "amx_bf16" in flags, torch.float16: "amx_fp16" in flags,
             torch.float32: False, torch.float64: False}
 
 
@@ -66,15 +66,15 @@ def test_forward_without_weights_runs_torchs_flash_kernel():
 
 
 @pytest.mark.parametrize("dtype,name", [(torch.float16, "float16"), (torch.bfloat16, "bfloat16")])
-def test_half_type_forward_runs_torchs_kernel_only_with_native_products(dtype, name):
+def test_half_type_forward_runs_torchs_kernel_only_on_amx_tiles(dtype, name):
     q, k, v = qkv(dtype=dtype)
     kernel, reason = choices(q, k, v, need_weights=False)["forward"]
-    if native_products()[dtype]:
+    if torch_on_tiles()[dtype]:
         assert kernel == "torch-cpu-flash"
     else:
         assert (kernel, reason.split(";")[0]) == (
-            "fastmha-cpu", f"{name} forward without native {name} products: torch's CPU flash kernel is as fast or "
-            "slower")
+            "fastmha-cpu", f"{name} forward without AMX tiles for {name} in torch's CPU flash kernel: fastmha's "
+            "kernel is as fast or faster")
 
 
 @pytest.mark.parametrize("lk", [100, 8192])
@@ -88,8 +88,8 @@ def test_float32_forward_skips_padding_up_to_three_quarters_of_the_keys_at_any_l
             assert reason.startswith(f"a mask that leaves {round(share * 100)}% of the keys")
 
 
-def test_backward_kernel_depends_on_native_half_products():
-    for dtype, stock in native_products().items():
+def test_backward_kernel_depends_on_amx_tiles_for_half_types():
+    for dtype, stock in torch_on_tiles().items():
         q, k, v = qkv(dtype=dtype)
         expected = "torch-cpu-flash" if stock else "fastmha-cpu"
         # Half-type weights are never handed to the backward, so keeping them changes nothing there.
@@ -108,6 +108,7 @@ def test_cases_torchs_kernel_cannot_serve_stay_with_fastmha(monkeypatch):
 def test_switch_forces_a_kernel_and_rejects_unknown_values(monkeypatch):
     q, k, v = qkv(dtype=torch.bfloat16)
     monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
+    monkeypatch.setenv("FASTMHA_CPU_HALF_GEMM", "widen")
     widened = "bfloat16 products widened to float32"
     assert choices(q, k, v, need_weights=False) == {
         "forward": ("fastmha-cpu", f"FASTMHA_CPU_KERNELS=own; {widened} (FASTMHA_CPU_HALF_GEMM=widen)"),

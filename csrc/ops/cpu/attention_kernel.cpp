@@ -188,7 +188,8 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
                                                         double dropout_p, bool need_weights, bool is_causal) {
   check_attention_inputs(query, key, value, mask, dropout_p);
   const AttentionCall call{query, key, value, mask, dropout_p, need_weights, is_causal};
-  if (choose_kernel_logged(call).kernel == AttentionKernel::kStockCpu) {
+  const auto choice = choose_kernel_logged(call);
+  if (choice.kernel == AttentionKernel::kStockCpu) {
     return stock::attention_forward(query, key, value, mask, is_causal, std::nullopt);
   }
   const auto dtype = query.scalar_type();
@@ -196,7 +197,7 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
   const int64_t batch = query.size(0), heads = query.size(1), len_q = query.size(2), len_k = key.size(2);
   const auto acc_options = query.options().dtype(acc);
   const auto half_mode = cpu::half_gemm_mode();
-  const bool half = cpu::multiplies_in_half_type(dtype, half_mode);
+  const bool half = choice.half_products;
   // Half types: the tasks round their output rows into the half-type output, and, when the products are
   // widened, widen k/v a head at a time and q a chunk at a time (ops/cpu/widened_rows.h), rather than whole fp32
   // copies going through memory.
@@ -231,7 +232,7 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
       out.half_weights = need_weights ? static_cast<uint16_t*>(weights.data_ptr()) : nullptr;
     }
     if (half) {
-      in.half = half_inputs.view(half_mode == cpu::HalfGemmMode::kNative);
+      in.half = half_inputs.view(half_mode != cpu::HalfGemmMode::kReference);
     } else if (widen_in_tasks) {
       in.half_source = half_inputs.view(false);
       in.widen_in_tasks = true;
@@ -252,7 +253,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
   const bool weights_serve = weights.has_value() && weights_stand_for_softmax(dtype, dropout_p);
   AttentionCall call{query, key, value, mask, dropout_p, weights_kept(grad_weights), is_causal, Pass::kBackward};
   call.weights_at_hand = weights_serve;
-  if (choose_kernel_logged(call).kernel == AttentionKernel::kStockCpu) {
+  const auto choice = choose_kernel_logged(call);
+  if (choice.kernel == AttentionKernel::kStockCpu) {
     return stock::attention_backward(grad_output, query, key, value, mask, output, logsumexp, is_causal, std::nullopt);
   }
   const int64_t batch = query.size(0), heads = query.size(1), len_q = query.size(2), len_k = key.size(2);
@@ -277,7 +279,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
   // The blocked backward multiplies in the half type as the forward does (ops/cpu/half_gemm.h); or, with
   // products widened, its tasks widen q/k/v, dO and O and round their dQ rows (ops/cpu/widened_rows.h).
   const auto half_mode = cpu::half_gemm_mode();
-  const bool half = use_output && cpu::multiplies_in_half_type(dtype, half_mode);
+  const bool half = use_output && choice.half_products;
   const bool widen_in_tasks = use_output && dtype != acc && !half;
   auto grad_q = empty_output({batch, heads, len_q, d_k}, query, widen_in_tasks ? query.options() : acc_options);
   // One split: the tasks write dK and dV themselves. More: partial sums (splits, B, H, Lk, d), added up below.
@@ -322,7 +324,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
                                                   strides3(grad_q)};
     grads.weights = kept.defined() ? kept.const_data_ptr<scalar_t>() : nullptr;
     if (half) {
-      in.half = half_inputs.view(half_mode == cpu::HalfGemmMode::kNative);
+      in.half = half_inputs.view(half_mode != cpu::HalfGemmMode::kReference);
       grads.half_grad_out = static_cast<const uint16_t*>(half_grad_out.const_data_ptr());
       grads.half_grad_out_stride = strides3(half_grad_out);
     } else if (widen_in_tasks) {

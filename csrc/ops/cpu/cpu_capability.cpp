@@ -1,5 +1,7 @@
 #include "ops/cpu/cpu_capability.h"
 
+#include <ATen/native/CPUBlas.h>
+
 #include <cstdlib>
 #include <cstring>
 
@@ -76,6 +78,15 @@ bool native_float16_products() {
 
 bool native_products(c10::ScalarType dtype) {
   return (dtype == c10::kBFloat16 && native_bfloat16_products()) || (dtype == c10::kHalf && native_float16_products());
+}
+
+bool torch_half_on_tiles(c10::ScalarType dtype) {
+  if (dtype != c10::kBFloat16 && dtype != c10::kHalf) {
+    return false;
+  }
+  static const bool bfloat16 = at::native::cpublas::could_pack(c10::kBFloat16);
+  static const bool float16 = at::native::cpublas::could_pack(c10::kHalf);
+  return dtype == c10::kBFloat16 ? bfloat16 : float16;
 }
 
 }  // namespace fastmha::cpu

@@ -20,6 +20,10 @@ bool native_bfloat16_products();
 bool native_float16_products();
 // The two above by type: whether the processor multiplies `dtype` natively (false for any other type).
 bool native_products(c10::ScalarType dtype);
+// Whether torch's CPU flash kernels multiply `dtype` (a half type) on AMX tiles: they pack their operands for
+// them when ATen's cpublas::could_pack says so, and then run several times faster than on AVX512-BF16 dot
+// products or widened, where they are no faster than in float32.
+bool torch_half_on_tiles(c10::ScalarType dtype);
 // The L2 cache of one core in bytes, as the C library reports it (1 MiB when it reports nothing).
 int64_t l2_cache_bytes();
 

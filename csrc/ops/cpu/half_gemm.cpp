@@ -51,11 +51,12 @@ bool half_products_probe(HalfKind kind, bool vnni) {
 HalfGemmMode half_gemm_mode() {
   // Read at every call, as the other switches: set it before the first forward.
   const char* value = std::getenv("FASTMHA_CPU_HALF_GEMM");
-  const std::string mode = value == nullptr || *value == '\0' ? "widen" : value;
+  const std::string mode = value == nullptr || *value == '\0' ? "auto" : value;
+  if (mode == "auto") return HalfGemmMode::kAuto;
   if (mode == "widen") return HalfGemmMode::kWiden;
   if (mode == "native") return HalfGemmMode::kNative;
   if (mode == "reference") return HalfGemmMode::kReference;
-  TORCH_CHECK(false, "fastmha: FASTMHA_CPU_HALF_GEMM must be widen, native or reference, got '", mode, "'");
+  TORCH_CHECK(false, "fastmha: FASTMHA_CPU_HALF_GEMM must be auto, widen, native or reference, got '", mode, "'");
 }
 
 bool native_half_products(at::ScalarType dtype) {
@@ -75,14 +76,23 @@ bool native_half_products(at::ScalarType dtype) {
   return false;
 }
 
-bool multiplies_in_half_type(at::ScalarType dtype, HalfGemmMode mode) {
+bool multiplies_in_half_type(at::ScalarType dtype, HalfGemmMode mode, int64_t keys) {
   if (dtype != at::kBFloat16 && dtype != at::kHalf) {
     return false;
   }
-  return mode == HalfGemmMode::kReference || (mode == HalfGemmMode::kNative && native_half_products(dtype));
+  switch (mode) {
+    case HalfGemmMode::kReference:
+      return true;
+    case HalfGemmMode::kNative:
+      return native_half_products(dtype);
+    case HalfGemmMode::kAuto:
+      return keys >= kNativeFromKeys && native_half_products(dtype);
+    default:
+      return false;
+  }
 }
 
-std::string half_products_note(at::ScalarType dtype, bool forward) {
+std::string half_products_note(at::ScalarType dtype, bool forward, int64_t keys) {
   if (dtype != at::kBFloat16 && dtype != at::kHalf) {
     return "";
   }
@@ -98,6 +108,14 @@ std::string half_products_note(at::ScalarType dtype, bool forward) {
       return native_half_products(dtype)
                  ? type + " products on this CPU's own instructions (oneDNN brgemm)" + unless
                  : type + " products widened to float32: this CPU has no native " + type + " products";
+    case HalfGemmMode::kAuto:
+      if (!native_half_products(dtype)) {
+        return type + " products widened to float32: this CPU has no native " + type + " products";
+      }
+      return keys >= kNativeFromKeys
+                 ? type + " products on this CPU's own instructions (oneDNN brgemm)" + unless
+                 : type + " products widened to float32: fewer than " + std::to_string(kNativeFromKeys) +
+                       " keys a row multiplies, where native products pay less than widening";
     default:
       return type + " products widened to float32 (FASTMHA_CPU_HALF_GEMM=widen)";
   }

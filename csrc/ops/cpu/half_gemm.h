@@ -19,11 +19,17 @@ namespace fastmha::cpu {
 
 enum class HalfKind : uint8_t { kBFloat16, kFloat16 };
 
-// How a forward in a half type multiplies (FASTMHA_CPU_HALF_GEMM): `widen` (default) converts q/k/v to fp32 for
-// MKL's sgemm; `native` multiplies in the half type where this CPU has the instructions for it (elsewhere as
-// widen); `reference` takes the half-type path through ATen's reference GEMM on any CPU (for tests).
-enum class HalfGemmMode { kWiden, kNative, kReference };
+// How a call in a half type multiplies (FASTMHA_CPU_HALF_GEMM): `auto` (default) as `native` from
+// kNativeFromKeys keys a row multiplies on (the keys a mask leaves to compute) and as `widen` below; `widen` converts
+// the operands to fp32 for MKL's sgemm; `native` multiplies in the half type where this CPU has the instructions for it
+// (elsewhere as widen); `reference` takes the half-type path through ATen's reference GEMM on any CPU (for tests).
+enum class HalfGemmMode { kAuto, kWiden, kNative, kReference };
 HalfGemmMode half_gemm_mode();
+
+// The fewest keys at which `auto` multiplies natively. On Zen 4 (AVX512-BF16) the native bfloat16 forward took
+// 0.53-0.70x the widened one's time from 256 to 4096 keys but 1.2-1.5x at 128 keys, where its packing and
+// kernel calls weigh more than the products; so did a padded batch of 350 keys with 10-25% of them visible.
+constexpr int64_t kNativeFromKeys = 256;
 
 // Whether oneDNN multiplies `dtype` natively on this CPU with right operands in the VNNI layout: bfloat16 with
 // AVX512-BF16 or AMX, float16 with AMX-FP16 (AVX512-FP16 alone takes a plain layout there), checked once by a
@@ -35,12 +41,13 @@ bool native_half_products(at::ScalarType dtype);
 // native_half_products (vnni = true), also run with vnni = false by the tests on any CPU.
 bool half_products_probe(HalfKind kind, bool vnni);
 
-// Whether a forward in `dtype` multiplies in it (a half type) under `mode`, rather than widened to fp32.
-bool multiplies_in_half_type(at::ScalarType dtype, HalfGemmMode mode);
+// Whether a call in `dtype` whose rows multiply `keys` keys multiplies in it (a half type) under `mode`, rather than
+// widened to fp32.
+bool multiplies_in_half_type(at::ScalarType dtype, HalfGemmMode mode, int64_t keys);
 
-// How a forward or a backward in `dtype` multiplies, in words, for fastmha.explain; empty for float32 and
-// float64.
-std::string half_products_note(at::ScalarType dtype, bool forward);
+// How a forward or a backward in `dtype` whose rows multiply `keys` keys multiplies, in words, for fastmha.explain;
+// empty for float32 and float64.
+std::string half_products_note(at::ScalarType dtype, bool forward, int64_t keys);
 
 constexpr int64_t kPanel = 64;           // columns per panel of a packed right operand
 constexpr int64_t kDepthMultiple = 64;   // depths are padded with zeros to a multiple of this (even: VNNI pairs)
