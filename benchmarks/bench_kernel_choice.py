@@ -4,8 +4,8 @@ choice (csrc/ops/kernel_choice.cpp).
 For each dtype, length and pass (forward under no_grad; forward + backward), one round runs, interleaved:
   own    torch.ops.fastmha.attention with FASTMHA_CPU_KERNELS=own   (fastmha's fused kernels; half types widened
          to fp32, FASTMHA_CPU_HALF_GEMM=widen)
-  native the same with FASTMHA_CPU_HALF_GEMM=native as well        (half types only: the forward's products in
-         the half type on the CPU's own instructions where it has them; the same as own elsewhere)
+  native the same with FASTMHA_CPU_HALF_GEMM=native as well        (half types only: the products of forward and
+         backward in the half type on the CPU's own instructions where it has them; the same as own elsewhere)
   stock  the same op with FASTMHA_CPU_KERNELS=stock                 (torch's CPU flash kernel behind the layer)
   auto   the same op with the default choice                        (what users get)
   sdpa   F.scaled_dot_product_attention on the same tensors         (the peer)

@@ -1,8 +1,8 @@
 // CPU kernels of the attention core: input checks, dtype handling and the hand-off to the fused kernels
-// (attention_kernel_impl.cpp, one variant per CPU capability). Half types are widened to fp32 for the
-// kernels and narrowed back, so scores, softmax and gradients accumulate in fp32; the GEMMs of the forward and
-// of the blocked backward can also multiply them as they are (FASTMHA_CPU_HALF_GEMM, ops/cpu/half_gemm.h), still
-// accumulating in fp32.
+// (attention_kernel_impl.cpp, one variant per CPU capability). Scores, softmax and gradients accumulate in fp32.
+// The GEMMs of the forward and of the blocked backward multiply half types as they are where the kernel choice
+// says so (by default on CPUs with native products once a row multiplies 256 keys; FASTMHA_CPU_HALF_GEMM,
+// ops/cpu/half_gemm.h), and widen them to fp32 otherwise.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/OpMathType.h>

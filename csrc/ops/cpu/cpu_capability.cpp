@@ -84,9 +84,7 @@ bool torch_half_on_tiles(c10::ScalarType dtype) {
   if (dtype != c10::kBFloat16 && dtype != c10::kHalf) {
     return false;
   }
-  static const bool bfloat16 = at::native::cpublas::could_pack(c10::kBFloat16);
-  static const bool float16 = at::native::cpublas::could_pack(c10::kHalf);
-  return dtype == c10::kBFloat16 ? bfloat16 : float16;
+  return at::native::cpublas::could_pack(dtype);
 }
 
 }  // namespace fastmha::cpu

@@ -27,7 +27,7 @@ enum class HalfGemmMode { kAuto, kWiden, kNative, kReference };
 HalfGemmMode half_gemm_mode();
 
 // The fewest keys at which `auto` multiplies natively. On Zen 4 (AVX512-BF16) the native bfloat16 forward took
-// 0.53-0.70x the widened one's time from 256 to 4096 keys but 1.2-1.5x at 128 keys, where its packing and
+// 0.48-0.67x the widened one's time from 256 to 4096 keys but 1.2-1.3x at 128 keys, where its packing and
 // kernel calls weigh more than the products; so did a padded batch of 350 keys with 10-25% of them visible.
 constexpr int64_t kNativeFromKeys = 256;
 
