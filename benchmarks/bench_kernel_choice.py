@@ -16,6 +16,7 @@ fastmha's calls, which then all run its own kernels), and one of these masks
   padding         (B, 1, 1, L) int64, each sequence keeps its first 10-25% of the keys (a padded batch)
   padding+causal  (B, 1, L, L) int64, the same padding and the causal triangle (a padded decoder batch)
   causal          (L, L) bool, the causal triangle given as a mask (is_causal not set)
+  is_causal       no mask, is_causal=True (top-left aligned; SDPA gets is_causal=True too)
   window          (L, L) bool, a sliding window of 128 keys on each side plus 16 global keys seen by all
   documents       (L, L) bool, block diagonal: sequences of 256 tokens packed into one row
 Medians over --repeats rounds; ratios are sdpa time / kernel time (> 1: faster than SDPA). Results are stamped
@@ -48,11 +49,11 @@ HALF_TYPES = (torch.bfloat16, torch.float16)
 SIZES = [(16, 128), (4, 512), (2, 1024), (1, 4096)]  # (batch, length): about the same work each
 QUICK_SIZES = [(2, 64)]
 PADDED_SIZES = [(8, 350), (2, 1024), (1, 4096)]  # 350: the textbook's padded sentence length
-MASKS = ["none", "padding", "padding+causal", "causal", "window", "documents"]
+MASKS = ["none", "padding", "padding+causal", "causal", "is_causal", "window", "documents"]
 
 
 def make_mask(kind, batch, length):
-    if kind == "none":
+    if kind in ("none", "is_causal"):
         return None
     rows, cols = torch.arange(length)[:, None], torch.arange(length)[None, :]
     if kind == "causal":
@@ -69,7 +70,7 @@ def make_mask(kind, batch, length):
     return (visible[:, None, None, :] & torch.ones(length, length, dtype=torch.bool).tril()).to(torch.int64)
 
 
-def run_once(kernel, q, k, v, mask, backward, need_weights):
+def run_once(kernel, q, k, v, mask, backward, need_weights, causal):
     if kernel != "sdpa":
         os.environ["FASTMHA_CPU_KERNELS"] = "own" if kernel == "native" else kernel
         if kernel in ("own", "native"):
@@ -79,9 +80,10 @@ def run_once(kernel, q, k, v, mask, backward, need_weights):
     start = time.perf_counter()
     with torch.set_grad_enabled(backward):
         if kernel == "sdpa":
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask != 0)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask != 0,
+                                                 is_causal=causal)
         else:
-            out, _ = torch.ops.fastmha.attention(q, k, v, mask, 0.0, need_weights, False)
+            out, _ = torch.ops.fastmha.attention(q, k, v, mask, 0.0, need_weights, causal)
         if backward:
             out.backward(torch.ones_like(out))
     return time.perf_counter() - start
@@ -89,17 +91,17 @@ def run_once(kernel, q, k, v, mask, backward, need_weights):
 
 def measure(dtype, batch, length, head_dim, mask_kind, backward, repeats, need_weights):
     q, k, v = (torch.randn(batch, 8, length, head_dim, dtype=dtype, requires_grad=backward) for _ in range(3))
-    mask = make_mask(mask_kind, batch, length)
+    mask, causal = make_mask(mask_kind, batch, length), mask_kind == "is_causal"
     kernels = [kernel for kernel in KERNELS if kernel != "native" or dtype in HALF_TYPES]
     times = {kernel: [] for kernel in kernels}
     for kernel in kernels:  # warm-up
-        run_once(kernel, q, k, v, mask, backward, need_weights)
+        run_once(kernel, q, k, v, mask, backward, need_weights, causal)
     for _ in range(repeats):
         for kernel in kernels:
-            times[kernel].append(run_once(kernel, q, k, v, mask, backward, need_weights))
+            times[kernel].append(run_once(kernel, q, k, v, mask, backward, need_weights, causal))
     os.environ.pop("FASTMHA_CPU_KERNELS", None)
     os.environ.pop("FASTMHA_CPU_HALF_GEMM", None)
-    choice = fastmha.explain(q, k, v, mask, need_weights=need_weights).splitlines()
+    choice = fastmha.explain(q, k, v, mask, need_weights=need_weights, is_causal=causal).splitlines()
     medians = {kernel: statistics.median(t) for kernel, t in times.items()}
     return {
         "dtype": str(dtype).replace("torch.", ""), "batch": batch, "length": length, "head_dim": head_dim,
@@ -144,7 +146,7 @@ def main():
     print("\n".join(header), flush=True)
     rows = []
     for mask_kind in masks:
-        sizes = QUICK_SIZES if args.quick else chosen_sizes or (SIZES if mask_kind == "none" else PADDED_SIZES)
+        sizes = QUICK_SIZES if args.quick else chosen_sizes or (SIZES if mask_kind in ("none", "is_causal") else PADDED_SIZES)
         for dtype_name in args.dtypes.split(","):
             dtype = getattr(torch, dtype_name)
             for batch, length in sizes:

@@ -65,6 +65,14 @@ def test_forward_without_weights_runs_torchs_flash_kernel():
         assert choices(q, k, v, need_weights=False)["forward"][0] == "torch-cpu-flash"
 
 
+def test_causal_forward_without_weights_runs_fastmhas_kernel():
+    for dtype in (torch.float64, torch.float32):
+        q, k, v = qkv(dtype=dtype)
+        kernel, reason = choices(q, k, v, need_weights=False, is_causal=True)["forward"]
+        assert (kernel, reason) == ("fastmha-cpu", "is_causal: fastmha's kernel skips the keys above the diagonal "
+                                                   "chunk by chunk of queries, faster than torch's")
+
+
 @pytest.mark.parametrize("dtype,name", [(torch.float16, "float16"), (torch.bfloat16, "bfloat16")])
 def test_half_type_forward_runs_torchs_kernel_only_on_amx_tiles(dtype, name):
     q, k, v = qkv(dtype=dtype)
