@@ -88,9 +88,9 @@ KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share) 
   // run; the results are in benchmarks/results/). Without a mask, fastmha's float32 forward (keys in cache-sized
   // blocks, an online softmax) and torch's flash kernel are about even from 128 to 8192 keys, within this machine's
   // noise; the forward then stays with torch's (except in half types torch's kernel multiplies without AMX tiles,
-  // below). fastmha's blocked backward measured faster at every length (float32 1.03-1.28x torch's at 1024-8192
-  // keys, float64 1.24-1.28x). In half types it wins unless torch's kernels run them on AMX tiles (several times
-  // faster there); without tiles torch's half-type kernels are no faster than its float32 ones, also where the
+  // and with is_causal, below). fastmha's blocked backward measured faster at every length (float32 1.03-1.28x torch's
+  // at 1024-8192 keys, float64 1.24-1.28x). In half types it wins unless torch's kernels run them on AMX tiles (several
+  // times faster there); without tiles torch's half-type kernels are no faster than its float32 ones, also where the
   // processor has AVX512-BF16 (Zen 4).
   // A mask turns the choice around: fastmha's kernel computes only the runs of keys some query of a chunk sees
   // (padding, causal or block-sparse masks), torch's computes all (3.7x faster or more with 10-25% of the keys
@@ -118,8 +118,9 @@ KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share) 
       return {K::kOwnCpu, type + " forward without AMX tiles for " + type +
                               " in torch's CPU flash kernel: fastmha's kernel is as fast or faster"};
     }
-    if (call.is_causal && !torch_on_tiles) {
-      // Measured on Zen 4: 1.02-1.9x torch's forward in float32 and float64 at 128-4096 keys, d_k 64 and 128.
+    if (call.is_causal && !half) {  // half types on AMX tiles stay with torch's
+      // Measured on Zen 4 against torch's forward: float32 1.15-1.42x at 128-1024 keys, even at 4096 (d_k 64 and
+      // 128); float64 1.03-1.88x at 128-2048 keys.
       return {K::kOwnCpu,
               "is_causal: fastmha's kernel skips the keys above the diagonal chunk by chunk of queries, faster than "
               "torch's"};

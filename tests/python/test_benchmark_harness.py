@@ -39,11 +39,11 @@ def test_bench_quick_run_times_every_peer_and_writes_every_result_file(tmp_path)
 def test_bench_kernel_choice_quick_run_with_every_mask(tmp_path):
     out = tmp_path / "choice"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_kernel_choice.py"), "--quick", "--dtypes",
-                    "float32", "--masks", "none,padding,padding+causal", "--out", str(out)], check=True,
+                    "float32", "--masks", "none,padding,padding+causal,is_causal", "--out", str(out)], check=True,
                    capture_output=True, timeout=300)
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
-    assert {(r["mask"], r["pass"]) for r in rows} == {(m, p) for m in ("none", "padding", "padding+causal")
-                                                      for p in ("fwd", "fwd+bwd")}
+    masks = ("none", "padding", "padding+causal", "is_causal")
+    assert {(r["mask"], r["pass"]) for r in rows} == {(m, p) for m in masks for p in ("fwd", "fwd+bwd")}
     assert all(t > 0 for r in rows for t in r["ms"].values())
     assert "| padding+causal | float32 |" in out.with_suffix(".md").read_text()
 

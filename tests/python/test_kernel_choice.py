@@ -71,6 +71,12 @@ def test_causal_forward_without_weights_runs_fastmhas_kernel():
         kernel, reason = choices(q, k, v, need_weights=False, is_causal=True)["forward"]
         assert (kernel, reason) == ("fastmha-cpu", "is_causal: fastmha's kernel skips the keys above the diagonal "
                                                    "chunk by chunk of queries, faster than torch's")
+        assert choices(q, k, v, need_weights=False, is_causal=True)["backward"][0] == "fastmha-cpu"
+    for dtype, on_tiles in torch_on_tiles().items():
+        if dtype in (torch.bfloat16, torch.float16):
+            q, k, v = qkv(dtype=dtype)
+            kernel = choices(q, k, v, need_weights=False, is_causal=True)["forward"][0]
+            assert kernel == ("torch-cpu-flash" if on_tiles else "fastmha-cpu"), dtype
 
 
 @pytest.mark.parametrize("dtype,name", [(torch.float16, "float16"), (torch.bfloat16, "bfloat16")])
