@@ -219,12 +219,13 @@ KernelChoice choose_kernel(const AttentionCall& call) {
       // The keys a row multiplies, for the products' choice: only `auto` on a CPU with native products reads the
       // mask for them.
       const auto mode = cpu::half_gemm_mode();
-      const int64_t len_k = call.key.size(2);
-      const int64_t keys = mode == cpu::HalfGemmMode::kAuto && cpu::native_half_products(dtype)
-                               ? std::llround(static_cast<double>(len_k) * key_share.get())
-                               : len_k;
-      choice.half_products = cpu::multiplies_in_half_type(dtype, mode, keys);
-      choice.reason += "; " + cpu::half_products_note(dtype, call.pass == Pass::kForward, keys);
+      const int64_t len_k = call.key.size(2), rows = call.query.size(2);
+      const int64_t keys =
+          mode == cpu::HalfGemmMode::kAuto && rows >= cpu::kNativeFromRows && cpu::native_half_products(dtype)
+              ? std::llround(static_cast<double>(len_k) * key_share.get())
+              : len_k;
+      choice.half_products = cpu::multiplies_in_half_type(dtype, mode, rows, keys);
+      choice.reason += "; " + cpu::half_products_note(dtype, call.pass == Pass::kForward, rows, keys);
     }
     return choice;
   }

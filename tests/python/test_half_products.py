@@ -197,28 +197,29 @@ def test_native_without_the_instructions_widens(monkeypatch, dtype):
 
 
 @pytest.mark.parametrize("dtype", HALF_TYPES)
-def test_auto_multiplies_natively_from_256_keys_a_row_computes(monkeypatch, dtype):
-    # The default: native products where the CPU has them once the rows multiply 256 keys or more (the keys a
-    # padding mask leaves), widened below (and on every other CPU).
+def test_auto_multiplies_natively_from_256_rows_and_keys_a_row_computes(monkeypatch, dtype):
+    # The default: native products where the CPU has them once a head has 256 query rows or more and they
+    # multiply 256 keys or more (the keys a padding mask leaves), widened below (and on every other CPU).
     native = native_products(dtype)
     monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
-    cases = ((255, None, "widen"), (256, None, "native"), (600, 100, "widen"), (600, 400, "native"))
-    for lk, visible, expected in cases:
+    cases = ((256, 255, None, "widen", "keys"), (256, 256, None, "native", ""), (255, 600, None, "widen", "rows"),
+             (256, 600, 100, "widen", "keys"), (256, 600, 400, "native", ""))
+    for lq, lk, visible, expected, fewer in cases:
         expected = expected if native else "widen"
-        q, k, v, grad = half_inputs(dtype, lq=40, lk=lk)
+        q, k, v, grad = half_inputs(dtype, lq=lq, lk=lk)
         mask = None if visible is None else padding([visible, visible], lk=lk)
         monkeypatch.delenv("FASTMHA_CPU_HALF_GEMM", raising=False)
         note = fastmha.explain(q, k, v, mask, 0.0, False).splitlines()[0]
-        assert ("own instructions" in note) is (expected == "native"), (lk, visible, note)
+        assert ("own instructions" in note) is (expected == "native"), (lq, lk, visible, note)
         if not native:
             assert "this CPU has no native" in note
         elif expected == "widen":
-            assert "fewer than 256 keys a row multiplies" in note
+            assert {"keys": "fewer than 256 keys a row multiplies", "rows": "fewer than 256 query rows"}[fewer] in note
         got = run_and_oracle(q, k, v, mask, False, grad)[0]
         monkeypatch.setenv("FASTMHA_CPU_HALF_GEMM", expected)
         forced = run_and_oracle(q, k, v, mask, False, grad)[0]
-        assert torch.equal(got[0], forced[0]), (lk, visible)
-        assert all(torch.equal(a, b) for a, b in zip(got[2], forced[2])), (lk, visible)
+        assert torch.equal(got[0], forced[0]), (lq, lk, visible)
+        assert all(torch.equal(a, b) for a, b in zip(got[2], forced[2])), (lq, lk, visible)
 
 
 def test_float_types_have_no_products_note(monkeypatch):

@@ -76,7 +76,7 @@ bool native_half_products(at::ScalarType dtype) {
   return false;
 }
 
-bool multiplies_in_half_type(at::ScalarType dtype, HalfGemmMode mode, int64_t keys) {
+bool multiplies_in_half_type(at::ScalarType dtype, HalfGemmMode mode, int64_t rows, int64_t keys) {
   if (dtype != at::kBFloat16 && dtype != at::kHalf) {
     return false;
   }
@@ -86,13 +86,13 @@ bool multiplies_in_half_type(at::ScalarType dtype, HalfGemmMode mode, int64_t ke
     case HalfGemmMode::kNative:
       return native_half_products(dtype);
     case HalfGemmMode::kAuto:
-      return keys >= kNativeFromKeys && native_half_products(dtype);
+      return rows >= kNativeFromRows && keys >= kNativeFromKeys && native_half_products(dtype);
     default:
       return false;
   }
 }
 
-std::string half_products_note(at::ScalarType dtype, bool forward, int64_t keys) {
+std::string half_products_note(at::ScalarType dtype, bool forward, int64_t rows, int64_t keys) {
   if (dtype != at::kBFloat16 && dtype != at::kHalf) {
     return "";
   }
@@ -111,6 +111,10 @@ std::string half_products_note(at::ScalarType dtype, bool forward, int64_t keys)
     case HalfGemmMode::kAuto:
       if (!native_half_products(dtype)) {
         return type + " products widened to float32: this CPU has no native " + type + " products";
+      }
+      if (rows < kNativeFromRows) {
+        return type + " products widened to float32: fewer than " + std::to_string(kNativeFromRows) +
+               " query rows, where native products pay less than widening";
       }
       return keys >= kNativeFromKeys
                  ? type + " products on this CPU's own instructions (oneDNN brgemm)" + unless

@@ -30,6 +30,10 @@ HalfGemmMode half_gemm_mode();
 // 0.48-0.67x the widened one's time from 256 to 4096 keys but 1.2-1.3x at 128 keys, where its packing and
 // kernel calls weigh more than the products; so did a padded batch of 350 keys with 10-25% of them visible.
 constexpr int64_t kNativeFromKeys = 256;
+// The fewest query rows per head at which `auto` multiplies natively: with fewer (decoding steps, short query
+// blocks) the native forward took up to 7x the widened one's time on Zen 4 (1-32 rows; 64-128 rows over 4096
+// keys), 0.7x from 256 rows.
+constexpr int64_t kNativeFromRows = 256;
 
 // Whether oneDNN multiplies `dtype` natively on this CPU with right operands in the VNNI layout: bfloat16 with
 // AVX512-BF16 or AMX, float16 with AMX-FP16 (AVX512-FP16 alone takes a plain layout there), checked once by a
@@ -41,13 +45,13 @@ bool native_half_products(at::ScalarType dtype);
 // native_half_products (vnni = true), also run with vnni = false by the tests on any CPU.
 bool half_products_probe(HalfKind kind, bool vnni);
 
-// Whether a call in `dtype` whose rows multiply `keys` keys multiplies in it (a half type) under `mode`, rather than
-// widened to fp32.
-bool multiplies_in_half_type(at::ScalarType dtype, HalfGemmMode mode, int64_t keys);
+// Whether a call in `dtype` with `rows` query rows per head, each multiplying `keys` keys, multiplies in it (a half
+// type) under `mode`, rather than widened to fp32.
+bool multiplies_in_half_type(at::ScalarType dtype, HalfGemmMode mode, int64_t rows, int64_t keys);
 
-// How a forward or a backward in `dtype` whose rows multiply `keys` keys multiplies, in words, for fastmha.explain;
-// empty for float32 and float64.
-std::string half_products_note(at::ScalarType dtype, bool forward, int64_t keys);
+// How a forward or a backward in `dtype` with `rows` query rows per head, each multiplying `keys` keys, multiplies, in
+// words, for fastmha.explain; empty for float32 and float64.
+std::string half_products_note(at::ScalarType dtype, bool forward, int64_t rows, int64_t keys);
 
 constexpr int64_t kPanel = 64;           // columns per panel of a packed right operand
 constexpr int64_t kDepthMultiple = 64;   // depths are padded with zeros to a multiple of this (even: VNNI pairs)
