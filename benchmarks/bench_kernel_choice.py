@@ -9,7 +9,8 @@ For each dtype, length and pass (forward under no_grad; forward + backward), one
   stock  the same op with FASTMHA_CPU_KERNELS=stock                 (torch's CPU flash kernel behind the layer)
   auto   the same op with the default choice                        (what users get)
   sdpa   F.scaled_dot_product_attention on the same tensors         (the peer)
-Inputs are (B, 8, L, d) with d = --head-dim (64), dropout 0, need_weights=False (--need-weights: True for
+Inputs are (B, 8, L, d) with d = --head-dim (64) (queries (B, 8, Lq, d) with --query-length Lq: decoding
+steps and short query blocks; masks none, padding or is_causal), dropout 0, need_weights=False (--need-weights: True for
 fastmha's calls, which then all run its own kernels), and one of these masks
 (--masks), which SDPA gets too (as a bool attn_mask):
   none            no mask
@@ -26,6 +27,7 @@ with the CPU model and ISA.
     python benchmarks/bench_kernel_choice.py --masks padding,padding+causal --out ...
     python benchmarks/bench_kernel_choice.py --dtypes float32 --head-dim 128 --sizes 2x1024,1x8192 --out ...
     python benchmarks/bench_kernel_choice.py --dtypes bfloat16,float16 --need-weights --out ...  # native vs own
+    python benchmarks/bench_kernel_choice.py --dtypes bfloat16 --need-weights --query-length 1 --out ...
     python benchmarks/bench_kernel_choice.py --quick     # a smoke run (seconds)
 """
 
@@ -89,8 +91,9 @@ def run_once(kernel, q, k, v, mask, backward, need_weights, causal):
     return time.perf_counter() - start
 
 
-def measure(dtype, batch, length, head_dim, mask_kind, backward, repeats, need_weights):
-    q, k, v = (torch.randn(batch, 8, length, head_dim, dtype=dtype, requires_grad=backward) for _ in range(3))
+def measure(dtype, batch, length, head_dim, mask_kind, backward, repeats, need_weights, query_length=None):
+    q, k, v = (torch.randn(batch, 8, n, head_dim, dtype=dtype, requires_grad=backward)
+               for n in (query_length or length, length, length))
     mask, causal = make_mask(mask_kind, batch, length), mask_kind == "is_causal"
     kernels = [kernel for kernel in KERNELS if kernel != "native" or dtype in HALF_TYPES]
     times = {kernel: [] for kernel in kernels}
@@ -105,6 +108,7 @@ def measure(dtype, batch, length, head_dim, mask_kind, backward, repeats, need_w
     medians = {kernel: statistics.median(t) for kernel, t in times.items()}
     return {
         "dtype": str(dtype).replace("torch.", ""), "batch": batch, "length": length, "head_dim": head_dim,
+        "query_length": query_length or length,
         "mask": mask_kind, "need_weights": need_weights,
         "pass": "fwd+bwd" if backward else "fwd", "ms": {k: round(t * 1e3, 3) for k, t in medians.items()},
         "sdpa_over": {k: round(medians["sdpa"] / medians[k], 3) for k in medians if k != "sdpa"},
@@ -133,12 +137,15 @@ def main():
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--sizes", help="comma-separated BATCHxLENGTH (default: a list per mask kind)")
     parser.add_argument("--need-weights", action="store_true", help="fastmha's calls keep the weights")
+    parser.add_argument("--query-length", type=int, help="queries per head (default: the keys' length)")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     chosen_sizes = [tuple(int(n) for n in size.split("x")) for size in args.sizes.split(",")] if args.sizes else None
     masks = args.masks.split(",")
     if unknown := set(masks) - set(MASKS):
         parser.error(f"unknown masks {sorted(unknown)}; choose from {MASKS}")
+    if args.query_length and set(masks) - {"none", "padding", "is_causal"}:
+        parser.error("--query-length takes the masks none, padding and is_causal")
     repeats = 1 if args.quick else args.repeats
     stamp = cpu_lines()
     header = [f"fastmha {fastmha.__version__} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
@@ -152,9 +159,10 @@ def main():
             for batch, length in sizes:
                 for backward in (False, True):
                     row = measure(dtype, batch, length, args.head_dim, mask_kind, backward, repeats,
-                                  args.need_weights)
+                                  args.need_weights, args.query_length)
                     rows.append(row)
-                    print(f"{mask_kind:14s} {row['dtype']:9s} B{batch:3d} L{length:5d} d{args.head_dim} "
+                    print(f"{mask_kind:14s} {row['dtype']:9s} B{batch:3d} Lq{row['query_length']:5d} L{length:5d} "
+                          f"d{args.head_dim} "
                           f"{row['pass']:8s} "
                           + " ".join(f"{k} {t:9.2f} ms" for k, t in row["ms"].items())
                           + " | " + " ".join(f"sdpa/{k} {r:.2f}" for k, r in row["sdpa_over"].items()),
@@ -164,7 +172,7 @@ def main():
         args.out.with_suffix(".json").write_text(json.dumps({"machine": header, "rows": rows}, indent=1) + "\n")
         lines = ["# CPU kernel choice: fastmha's kernel, torch's flash kernel, the default choice, and SDPA", "",
                  *[f"- {line}" for line in header], "",
-                 f"(B, 8, L, {args.head_dim}), dropout 0, need_weights={args.need_weights} for fastmha's calls, "
+                 f"(B, 8, L, {args.head_dim}), queries (B, 8, {args.query_length or 'L'}, {args.head_dim}), dropout 0, need_weights={args.need_weights} for fastmha's calls, "
                  "masks as in the script's docstring (SDPA gets the same mask); medians of "
                  f"{repeats}; ratio = SDPA time / kernel time (> 1: faster than SDPA); native: half types only.", "",
                  "| mask | dtype | B | L | pass | own ms | native ms | stock ms | auto ms | SDPA ms | SDPA/own "

@@ -216,8 +216,8 @@ KernelChoice choose_kernel(const AttentionCall& call) {
     auto choice = choose_cpu(call, key_share);
     const auto dtype = call.query.scalar_type();
     if (choice.kernel == AttentionKernel::kOwnCpu && (dtype == at::kBFloat16 || dtype == at::kHalf)) {
-      // The keys a row multiplies, for the products' choice: only `auto` on a CPU with native products reads the
-      // mask for them.
+      // The query rows and the keys a row multiplies, for the products' choice: only `auto` on a CPU with native
+      // products, with enough rows, reads the mask for them.
       const auto mode = cpu::half_gemm_mode();
       const int64_t len_k = call.key.size(2), rows = call.query.size(2);
       const int64_t keys =

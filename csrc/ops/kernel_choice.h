@@ -46,7 +46,7 @@ struct KernelChoice {
   std::string reason;  // why this kernel and not the one before it in the list
   std::optional<stock::CudaBackend> sdpa_backend = std::nullopt;  // kStockCuda: the SDPA kernel to call
   // kOwnCpu in bfloat16/float16: whether its products run in the half type rather than widened to fp32
-  // (FASTMHA_CPU_HALF_GEMM; `auto` counts the keys a row computes, from the mask's sample).
+  // (FASTMHA_CPU_HALF_GEMM; `auto` counts the query rows and the keys a row computes, from the mask's sample).
   bool half_products = false;
 };
 

@@ -36,6 +36,15 @@ def test_bench_quick_run_times_every_peer_and_writes_every_result_file(tmp_path)
     assert "bound vs oracle" in stems[".md"].read_text()
 
 
+def test_bench_kernel_choice_quick_run_with_fewer_queries(tmp_path):
+    out = tmp_path / "queries"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_kernel_choice.py"), "--quick", "--dtypes",
+                    "bfloat16", "--query-length", "1", "--out", str(out)], check=True, capture_output=True, timeout=300)
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert {(r["query_length"], r["length"]) for r in rows} == {(1, 64)}
+    assert all(t > 0 for r in rows for t in r["ms"].values())
+
+
 def test_bench_kernel_choice_quick_run_with_every_mask(tmp_path):
     out = tmp_path / "choice"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_kernel_choice.py"), "--quick", "--dtypes",

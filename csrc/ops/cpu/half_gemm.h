@@ -19,10 +19,11 @@ namespace fastmha::cpu {
 
 enum class HalfKind : uint8_t { kBFloat16, kFloat16 };
 
-// How a call in a half type multiplies (FASTMHA_CPU_HALF_GEMM): `auto` (default) as `native` from
-// kNativeFromKeys keys a row multiplies on (the keys a mask leaves to compute) and as `widen` below; `widen` converts
-// the operands to fp32 for MKL's sgemm; `native` multiplies in the half type where this CPU has the instructions for it
-// (elsewhere as widen); `reference` takes the half-type path through ATen's reference GEMM on any CPU (for tests).
+// How a call in a half type multiplies (FASTMHA_CPU_HALF_GEMM): `auto` (default) as `native` from kNativeFromRows
+// query rows per head, each multiplying kNativeFromKeys keys or more (those a mask leaves), and as `widen` below;
+// `widen` converts the operands to fp32 for MKL's sgemm; `native` multiplies in the half type where this CPU has the
+// instructions for it (elsewhere as widen); `reference` takes the half-type path through ATen's reference GEMM on any
+// CPU (for tests).
 enum class HalfGemmMode { kAuto, kWiden, kNative, kReference };
 HalfGemmMode half_gemm_mode();
 
@@ -31,8 +32,8 @@ HalfGemmMode half_gemm_mode();
 // kernel calls weigh more than the products; so did a padded batch of 350 keys with 10-25% of them visible.
 constexpr int64_t kNativeFromKeys = 256;
 // The fewest query rows per head at which `auto` multiplies natively: with fewer (decoding steps, short query
-// blocks) the native forward took up to 7x the widened one's time on Zen 4 (1-32 rows; 64-128 rows over 4096
-// keys), 0.7x from 256 rows.
+// blocks) the native forward over 1024-4096 keys took 9-10x the widened one's time on Zen 4 at 1 row, 2.6-2.7x at
+// 32 and 1.25-1.37x at 128 rows; 0.91-1.01x at 256 rows (forward + backward 0.72-0.81x).
 constexpr int64_t kNativeFromRows = 256;
 
 // Whether oneDNN multiplies `dtype` natively on this CPU with right operands in the VNNI layout: bfloat16 with
