@@ -216,16 +216,14 @@ KernelChoice choose_kernel(const AttentionCall& call) {
     auto choice = choose_cpu(call, key_share);
     const auto dtype = call.query.scalar_type();
     if (choice.kernel == AttentionKernel::kOwnCpu && (dtype == at::kBFloat16 || dtype == at::kHalf)) {
-      // The query rows and the keys a row multiplies, for the products' choice: only `auto` on a CPU with native
-      // products, with enough rows, reads the mask for them.
-      const auto mode = cpu::half_gemm_mode();
-      const int64_t len_k = call.key.size(2), rows = call.query.size(2);
-      const int64_t keys =
-          mode == cpu::HalfGemmMode::kAuto && rows >= cpu::kNativeFromRows && cpu::native_half_products(dtype)
-              ? std::llround(static_cast<double>(len_k) * key_share.get())
-              : len_k;
-      choice.half_products = cpu::multiplies_in_half_type(dtype, mode, rows, keys);
-      choice.reason += "; " + cpu::half_products_note(dtype, call.pass == Pass::kForward, rows, keys);
+      // Only `auto` on a CPU with native products, with enough query rows, reads the mask's sample for the keys.
+      const int64_t len_k = call.key.size(2);
+      const auto products = cpu::choose_half_products(dtype, call.pass == Pass::kForward, call.query.size(2), [&] {
+        return static_cast<int64_t>(std::llround(static_cast<double>(len_k) * key_share.get()));
+      });
+      choice.half_products = products.in_half_type;
+      choice.half_products_vnni = products.vnni;
+      choice.reason += "; " + products.note;
     }
     return choice;
   }

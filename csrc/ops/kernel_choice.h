@@ -48,6 +48,7 @@ struct KernelChoice {
   // kOwnCpu in bfloat16/float16: whether its products run in the half type rather than widened to fp32
   // (FASTMHA_CPU_HALF_GEMM; `auto` counts the query rows and the keys a row computes, from the mask's sample).
   bool half_products = false;
+  bool half_products_vnni = true;  // their right operands in the VNNI layout; plain on ATen's reference GEMM
 };
 
 KernelChoice choose_kernel(const AttentionCall& call);

@@ -196,7 +196,6 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
   const auto acc = at::toOpMathType(dtype);
   const int64_t batch = query.size(0), heads = query.size(1), len_q = query.size(2), len_k = key.size(2);
   const auto acc_options = query.options().dtype(acc);
-  const auto half_mode = cpu::half_gemm_mode();
   const bool half = choice.half_products;
   // Half types: the tasks round their output rows into the half-type output, and, when the products are
   // widened, widen k/v a head at a time and q a chunk at a time (ops/cpu/widened_rows.h), rather than whole fp32
@@ -232,7 +231,7 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
       out.half_weights = need_weights ? static_cast<uint16_t*>(weights.data_ptr()) : nullptr;
     }
     if (half) {
-      in.half = half_inputs.view(half_mode != cpu::HalfGemmMode::kReference);
+      in.half = half_inputs.view(choice.half_products_vnni);
     } else if (widen_in_tasks) {
       in.half_source = half_inputs.view(false);
       in.widen_in_tasks = true;
@@ -278,7 +277,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
   const auto acc_options = query.options().dtype(acc);
   // The blocked backward multiplies in the half type as the forward does (ops/cpu/half_gemm.h); or, with
   // products widened, its tasks widen q/k/v, dO and O and round their dQ rows (ops/cpu/widened_rows.h).
-  const auto half_mode = cpu::half_gemm_mode();
   const bool half = use_output && choice.half_products;
   const bool widen_in_tasks = use_output && dtype != acc && !half;
   auto grad_q = empty_output({batch, heads, len_q, d_k}, query, widen_in_tasks ? query.options() : acc_options);
@@ -324,7 +322,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
                                                   strides3(grad_q)};
     grads.weights = kept.defined() ? kept.const_data_ptr<scalar_t>() : nullptr;
     if (half) {
-      in.half = half_inputs.view(half_mode != cpu::HalfGemmMode::kReference);
+      in.half = half_inputs.view(choice.half_products_vnni);
       grads.half_grad_out = static_cast<const uint16_t*>(half_grad_out.const_data_ptr());
       grads.half_grad_out_stride = strides3(half_grad_out);
     } else if (widen_in_tasks) {

@@ -76,53 +76,42 @@ bool native_half_products(at::ScalarType dtype) {
   return false;
 }
 
-bool multiplies_in_half_type(at::ScalarType dtype, HalfGemmMode mode, int64_t rows, int64_t keys) {
+HalfProducts choose_half_products(at::ScalarType dtype, bool forward, int64_t rows,
+                                  const std::function<int64_t()>& keys) {
   if (dtype != at::kBFloat16 && dtype != at::kHalf) {
-    return false;
-  }
-  switch (mode) {
-    case HalfGemmMode::kReference:
-      return true;
-    case HalfGemmMode::kNative:
-      return native_half_products(dtype);
-    case HalfGemmMode::kAuto:
-      return rows >= kNativeFromRows && keys >= kNativeFromKeys && native_half_products(dtype);
-    default:
-      return false;
-  }
-}
-
-std::string half_products_note(at::ScalarType dtype, bool forward, int64_t rows, int64_t keys) {
-  if (dtype != at::kBFloat16 && dtype != at::kHalf) {
-    return "";
+    return {};
   }
   const std::string type = dtype == at::kBFloat16 ? "bfloat16" : "float16";
-  const auto mode = half_gemm_mode();
+  const auto widened = [&](const std::string& why) {
+    return HalfProducts{false, true, type + " products widened to float32" + why};
+  };
   // The backward that keeps whole score rows always widens: a gradient of the weights, or a forward output it
   // cannot use (none, or not finite in float16).
   const std::string unless = forward ? "" : " (widened when the weights get a gradient)";
-  switch (mode) {
+  const HalfProducts native{true, true, type + " products on this CPU's own instructions (oneDNN brgemm)" + unless};
+  const std::string no_native = ": this CPU has no native " + type + " products";
+  switch (half_gemm_mode()) {
     case HalfGemmMode::kReference:
-      return type + " products in ATen's reference GEMM (FASTMHA_CPU_HALF_GEMM=reference)" + unless;
+      return {true, false, type + " products in ATen's reference GEMM (FASTMHA_CPU_HALF_GEMM=reference)" + unless};
     case HalfGemmMode::kNative:
-      return native_half_products(dtype)
-                 ? type + " products on this CPU's own instructions (oneDNN brgemm)" + unless
-                 : type + " products widened to float32: this CPU has no native " + type + " products";
+      return native_half_products(dtype) ? native : widened(no_native);
     case HalfGemmMode::kAuto:
       if (!native_half_products(dtype)) {
-        return type + " products widened to float32: this CPU has no native " + type + " products";
+        return widened(no_native);
       }
       if (rows < kNativeFromRows) {
-        return type + " products widened to float32: fewer than " + std::to_string(kNativeFromRows) +
-               " query rows, where native products pay less than widening";
+        return widened(": fewer than " + std::to_string(kNativeFromRows) +
+                       " query rows, where native products pay less than widening");
       }
-      return keys >= kNativeFromKeys
-                 ? type + " products on this CPU's own instructions (oneDNN brgemm)" + unless
-                 : type + " products widened to float32: fewer than " + std::to_string(kNativeFromKeys) +
-                       " keys a row multiplies, where native products pay less than widening";
-    default:
-      return type + " products widened to float32 (FASTMHA_CPU_HALF_GEMM=widen)";
+      if (keys() < kNativeFromKeys) {
+        return widened(": fewer than " + std::to_string(kNativeFromKeys) +
+                       " keys a row multiplies, where native products pay less than widening");
+      }
+      return native;
+    case HalfGemmMode::kWiden:
+      break;
   }
+  return widened(" (FASTMHA_CPU_HALF_GEMM=widen)");
 }
 
 void pack_transposed(const uint16_t* src, int64_t ld, int64_t n, int64_t d, bool vnni, uint16_t* dst) {

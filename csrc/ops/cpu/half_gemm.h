@@ -13,13 +13,14 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 namespace fastmha::cpu {
 
 enum class HalfKind : uint8_t { kBFloat16, kFloat16 };
 
-// How a call in a half type multiplies (FASTMHA_CPU_HALF_GEMM): `auto` (default) as `native` from kNativeFromRows
+// How calls in a half type multiply (FASTMHA_CPU_HALF_GEMM): `auto` (default) as `native` from kNativeFromRows
 // query rows per head, each multiplying kNativeFromKeys keys or more (those a mask leaves), and as `widen` below;
 // `widen` converts the operands to fp32 for MKL's sgemm; `native` multiplies in the half type where this CPU has the
 // instructions for it (elsewhere as widen); `reference` takes the half-type path through ATen's reference GEMM on any
@@ -46,13 +47,17 @@ bool native_half_products(at::ScalarType dtype);
 // native_half_products (vnni = true), also run with vnni = false by the tests on any CPU.
 bool half_products_probe(HalfKind kind, bool vnni);
 
-// Whether a call in `dtype` with `rows` query rows per head, each multiplying `keys` keys, multiplies in it (a half
-// type) under `mode`, rather than widened to fp32.
-bool multiplies_in_half_type(at::ScalarType dtype, HalfGemmMode mode, int64_t rows, int64_t keys);
+// How one call multiplies, decided once by the kernel choice and followed by the kernels.
+struct HalfProducts {
+  bool in_half_type = false;  // rather than widened to fp32
+  bool vnni = true;           // right operands in the VNNI layout of oneDNN's kernels; plain on the reference GEMM
+  std::string note;           // in words, for fastmha.explain; empty for float32 and float64
+};
 
-// How a forward or a backward in `dtype` with `rows` query rows per head, each multiplying `keys` keys, multiplies, in
-// words, for fastmha.explain; empty for float32 and float64.
-std::string half_products_note(at::ScalarType dtype, bool forward, int64_t rows, int64_t keys);
+// How a forward or a backward in `dtype` with `rows` query rows per head multiplies under FASTMHA_CPU_HALF_GEMM.
+// `keys` gives the keys a row multiplies (those a mask leaves); it is asked only where `auto` needs the count.
+HalfProducts choose_half_products(at::ScalarType dtype, bool forward, int64_t rows,
+                                  const std::function<int64_t()>& keys);
 
 constexpr int64_t kPanel = 64;           // columns per panel of a packed right operand
 constexpr int64_t kDepthMultiple = 64;   // depths are padded with zeros to a multiple of this (even: VNNI pairs)
