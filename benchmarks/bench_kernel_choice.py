@@ -23,6 +23,12 @@ fastmha's calls, which then all run its own kernels), and one of these masks
 Medians over --repeats rounds; ratios are sdpa time / kernel time (> 1: faster than SDPA). Results are stamped
 with the CPU model and ISA.
 
+--gemm adds, for the forward, the efficiency of the default path: "gemm", the forward's two products alone
+(S = Q K^T into a preallocated (B, 8, Lq, L) buffer, then S V, torch.matmul in the same dtype, every key), timed in
+the same rounds; auto / gemm (1.0: the kernel costs what its products alone cost); and the default's rate in
+GFLOP/s (4 B 8 Lq L d, half of it with is_causal) as a share of this machine's rate for one large product
+(torch.mm of 4096 x 4096 matrices in the same dtype, measured once per dtype).
+
     python benchmarks/bench_kernel_choice.py --out benchmarks/results/kernel-choice-DATE
     python benchmarks/bench_kernel_choice.py --masks padding,padding+causal --out ...
     python benchmarks/bench_kernel_choice.py --dtypes float32 --head-dim 128 --sizes 2x1024,1x8192 --out ...
@@ -72,7 +78,13 @@ def make_mask(kind, batch, length):
     return (visible[:, None, None, :] & torch.ones(length, length, dtype=torch.bool).tril()).to(torch.int64)
 
 
-def run_once(kernel, q, k, v, mask, backward, need_weights, causal):
+def run_once(kernel, q, k, v, mask, backward, need_weights, causal, buffers=None):
+    if kernel == "gemm":  # the forward's products alone
+        scores, out = buffers
+        start = time.perf_counter()
+        torch.matmul(q, k.transpose(-1, -2), out=scores)
+        torch.matmul(scores, v, out=out)
+        return time.perf_counter() - start
     if kernel != "sdpa":
         os.environ["FASTMHA_CPU_KERNELS"] = "own" if kernel == "native" else kernel
         if kernel in ("own", "native"):
@@ -91,21 +103,40 @@ def run_once(kernel, q, k, v, mask, backward, need_weights, causal):
     return time.perf_counter() - start
 
 
-def measure(dtype, batch, length, head_dim, mask_kind, backward, repeats, need_weights, query_length=None):
+def mm_rate(dtype, n, repeats=3):
+    """GFLOP/s of torch.mm on two n x n matrices of `dtype`: this machine's rate for one large product."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    out = torch.mm(a, b)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b, out=out)
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / statistics.median(times) / 1e9
+
+
+def measure(dtype, batch, length, head_dim, mask_kind, backward, repeats, need_weights, query_length=None,
+            gemm=False):
     q, k, v = (torch.randn(batch, 8, n, head_dim, dtype=dtype, requires_grad=backward)
                for n in (query_length or length, length, length))
     mask, causal = make_mask(mask_kind, batch, length), mask_kind == "is_causal"
     kernels = [kernel for kernel in KERNELS if kernel != "native" or dtype in HALF_TYPES]
+    buffers = None
+    if gemm and not backward:
+        kernels.append("gemm")
+        buffers = (torch.empty(batch, 8, q.size(2), length, dtype=dtype), torch.empty_like(q))
     times = {kernel: [] for kernel in kernels}
     for kernel in kernels:  # warm-up
-        run_once(kernel, q, k, v, mask, backward, need_weights, causal)
+        run_once(kernel, q, k, v, mask, backward, need_weights, causal, buffers)
     for _ in range(repeats):
         for kernel in kernels:
-            times[kernel].append(run_once(kernel, q, k, v, mask, backward, need_weights, causal))
+            times[kernel].append(run_once(kernel, q, k, v, mask, backward, need_weights, causal, buffers))
     os.environ.pop("FASTMHA_CPU_KERNELS", None)
     os.environ.pop("FASTMHA_CPU_HALF_GEMM", None)
     choice = fastmha.explain(q, k, v, mask, need_weights=need_weights, is_causal=causal).splitlines()
     medians = {kernel: statistics.median(t) for kernel, t in times.items()}
+    gemm_ms = medians.pop("gemm", None)
+    flops = 4 * batch * 8 * q.size(2) * length * head_dim / (2 if causal else 1)
     return {
         "dtype": str(dtype).replace("torch.", ""), "batch": batch, "length": length, "head_dim": head_dim,
         "query_length": query_length or length,
@@ -113,6 +144,9 @@ def measure(dtype, batch, length, head_dim, mask_kind, backward, repeats, need_w
         "pass": "fwd+bwd" if backward else "fwd", "ms": {k: round(t * 1e3, 3) for k, t in medians.items()},
         "sdpa_over": {k: round(medians["sdpa"] / medians[k], 3) for k in medians if k != "sdpa"},
         "auto_runs": [line.split(":")[0] for line in choice],
+        "gemm_ms": None if gemm_ms is None else round(gemm_ms * 1e3, 3),
+        "auto_over_gemm": None if gemm_ms is None else round(medians["auto"] / gemm_ms, 3),
+        "auto_gflops": round(flops / medians["auto"] / 1e9, 1),
     }
 
 
@@ -138,6 +172,7 @@ def main():
     parser.add_argument("--sizes", help="comma-separated BATCHxLENGTH (default: a list per mask kind)")
     parser.add_argument("--need-weights", action="store_true", help="fastmha's calls keep the weights")
     parser.add_argument("--query-length", type=int, help="queries per head (default: the keys' length)")
+    parser.add_argument("--gemm", action="store_true", help="the forward's efficiency: its products alone")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     chosen_sizes = [tuple(int(n) for n in size.split("x")) for size in args.sizes.split(",")] if args.sizes else None
@@ -150,40 +185,59 @@ def main():
     stamp = cpu_lines()
     header = [f"fastmha {fastmha.__version__} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
               f"{datetime.date.today()}", *stamp, *half_products_lines()]
+    peak = {}
+    if args.gemm:
+        n = 256 if args.quick else 4096
+        for dtype_name in args.dtypes.split(","):
+            peak[dtype_name] = mm_rate(getattr(torch, dtype_name), n)
+            header.append(f"torch.mm rate, {dtype_name}, {n} x {n}: {peak[dtype_name]:.0f} GFLOP/s")
     print("\n".join(header), flush=True)
     rows = []
     for mask_kind in masks:
-        sizes = QUICK_SIZES if args.quick else chosen_sizes or (SIZES if mask_kind in ("none", "is_causal") else PADDED_SIZES)
+        default_sizes = SIZES if mask_kind in ("none", "is_causal") else PADDED_SIZES
+        sizes = QUICK_SIZES if args.quick else chosen_sizes or default_sizes
         for dtype_name in args.dtypes.split(","):
             dtype = getattr(torch, dtype_name)
             for batch, length in sizes:
                 for backward in (False, True):
                     row = measure(dtype, batch, length, args.head_dim, mask_kind, backward, repeats,
-                                  args.need_weights, args.query_length)
+                                  args.need_weights, args.query_length, args.gemm)
+                    if row["gemm_ms"] is not None:
+                        row["auto_share_of_mm_rate"] = round(row["auto_gflops"] / peak[dtype_name], 3)
                     rows.append(row)
                     print(f"{mask_kind:14s} {row['dtype']:9s} B{batch:3d} Lq{row['query_length']:5d} L{length:5d} "
                           f"d{args.head_dim} "
                           f"{row['pass']:8s} "
                           + " ".join(f"{k} {t:9.2f} ms" for k, t in row["ms"].items())
-                          + " | " + " ".join(f"sdpa/{k} {r:.2f}" for k, r in row["sdpa_over"].items()),
+                          + " | " + " ".join(f"sdpa/{k} {r:.2f}" for k, r in row["sdpa_over"].items())
+                          + (f" | gemm {row['gemm_ms']:.2f} ms auto/gemm {row['auto_over_gemm']:.2f} "
+                             f"{row['auto_gflops']:.0f} GFLOP/s ({row['auto_share_of_mm_rate']:.0%} of mm)"
+                             if row["gemm_ms"] is not None else ""),
                           flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.with_suffix(".json").write_text(json.dumps({"machine": header, "rows": rows}, indent=1) + "\n")
+        gemm_head = " gemm ms | auto/gemm | auto GFLOP/s | share of mm |" if args.gemm else ""
         lines = ["# CPU kernel choice: fastmha's kernel, torch's flash kernel, the default choice, and SDPA", "",
                  *[f"- {line}" for line in header], "",
-                 f"(B, 8, L, {args.head_dim}), queries (B, 8, {args.query_length or 'L'}, {args.head_dim}), dropout 0, need_weights={args.need_weights} for fastmha's calls, "
+                 f"(B, 8, L, {args.head_dim}), queries (B, 8, {args.query_length or 'L'}, {args.head_dim}), "
+                 f"dropout 0, need_weights={args.need_weights} for fastmha's calls, "
                  "masks as in the script's docstring (SDPA gets the same mask); medians of "
-                 f"{repeats}; ratio = SDPA time / kernel time (> 1: faster than SDPA); native: half types only.", "",
+                 f"{repeats}; ratio = SDPA time / kernel time (> 1: faster than SDPA); native: half types only."
+                 + (" gemm: the forward's products alone (see the script's docstring)." if args.gemm else ""), "",
                  "| mask | dtype | B | L | pass | own ms | native ms | stock ms | auto ms | SDPA ms | SDPA/own "
-                 "| SDPA/native | SDPA/stock | SDPA/auto | auto runs |",
-                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                 "| SDPA/native | SDPA/stock | SDPA/auto | auto runs |" + gemm_head,
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * (4 if args.gemm else 0)]
         for r in rows:
             ms, over = r["ms"], r["sdpa_over"]
+            efficiency = ""
+            if args.gemm:
+                efficiency = (f" {r['gemm_ms']} | {r['auto_over_gemm']} | {r['auto_gflops']} | "
+                              f"{r['auto_share_of_mm_rate']} |" if r["gemm_ms"] is not None else " - | - | - | - |")
             lines.append(f"| {r['mask']} | {r['dtype']} | {r['batch']} | {r['length']} | {r['pass']} | "
                          f"{ms['own']} | {ms.get('native', '-')} | {ms['stock']} | {ms['auto']} | {ms['sdpa']} | "
                          f"{over['own']} | {over.get('native', '-')} | {over['stock']} | {over['auto']} | "
-                         f"{', '.join(r['auto_runs'])} |")
+                         f"{', '.join(r['auto_runs'])} |" + efficiency)
         args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     return 0
 

@@ -66,6 +66,25 @@ def test_bench_kernel_choice_measures_half_type_products_with_kept_weights(tmp_p
     assert any(line.startswith("native column, bfloat16: bfloat16 products") for line in result["machine"])
 
 
+def test_bench_kernel_choice_measures_the_forwards_products_alone(tmp_path):
+    out = tmp_path / "gemm"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_kernel_choice.py"), "--quick", "--dtypes",
+                    "float32", "--masks", "none,is_causal", "--gemm", "--out", str(out)], check=True,
+                   capture_output=True, timeout=300)
+    result = json.loads(out.with_suffix(".json").read_text())
+    forward = [r for r in result["rows"] if r["pass"] == "fwd"]
+    assert len(forward) == 2 and all(r["gemm_ms"] > 0 for r in forward)
+    assert all(r["auto_over_gemm"] == pytest.approx(r["ms"]["auto"] / r["gemm_ms"], rel=1e-2) for r in forward)
+    # is_causal computes half the products: its rate counts half the FLOPs of the full forward.
+    for r in forward:
+        flops = 4 * r["batch"] * 8 * r["query_length"] * r["length"] * r["head_dim"]
+        flops /= 2 if r["mask"] == "is_causal" else 1
+        assert r["auto_gflops"] == pytest.approx(flops / r["ms"]["auto"] / 1e6, rel=1e-2, abs=0.1)
+    assert all(r["gemm_ms"] is None for r in result["rows"] if r["pass"] == "fwd+bwd")
+    assert any(line.startswith("torch.mm rate, float32") for line in result["machine"])
+    assert "auto/gemm" in out.with_suffix(".md").read_text()
+
+
 def test_bench_backward_from_weights_quick_run(tmp_path):
     out = tmp_path / "from-weights"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_backward_from_weights.py"), "--quick", "--out",
