@@ -54,6 +54,10 @@ class ComputedKeyShare {
   std::optional<double> share_;
 };
 
+// The most keys at which a float32 or float64 forward takes fastmha's kernel without a mask that pays for it: from
+// 1024 keys the two kernels are about even, and torch's stays the default there.
+constexpr int64_t kOwnForwardUpToKeys = 512;
+
 KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share) {
   const auto mode = switch_value("FASTMHA_CPU_KERNELS");
   TORCH_CHECK(mode == "auto" || mode == "own" || mode == "stock",
@@ -86,15 +90,14 @@ KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share) 
   }
   // Measured with benchmarks/bench_kernel_choice.py and bench_cpu_backward_kernels.py (kernels interleaved in one
   // run; the results are in benchmarks/results/). Without a mask, fastmha's float32 forward (keys in cache-sized
-  // blocks, an online softmax) and torch's flash kernel are about even from 128 to 8192 keys, within this machine's
-  // noise; the forward then stays with torch's (except in half types torch's kernel multiplies without AMX tiles,
-  // and with is_causal, below). fastmha's blocked backward measured faster at every length (float32 1.03-1.28x torch's
-  // at 1024-8192 keys, float64 1.24-1.28x). In half types it wins unless torch's kernels run them on AMX tiles (several
-  // times faster there); without tiles torch's half-type kernels are no faster than its float32 ones, also where the
-  // processor has AVX512-BF16 (Zen 4).
-  // A mask turns the choice around: fastmha's kernel computes only the runs of keys some query of a chunk sees
-  // (padding, causal or block-sparse masks), torch's computes all (3.7x faster or more with 10-25% of the keys
-  // visible, float32).
+  // blocks, an online softmax) is faster than torch's flash kernel up to 512 keys and about even from 1024 to 8192
+  // keys, within the machines' noise; the longer forward then stays with torch's (except in half types torch's
+  // kernel multiplies without AMX tiles, and with is_causal, below). fastmha's blocked backward measured faster at
+  // every length (float32 1.03-1.28x torch's at 1024-8192 keys, float64 1.24-1.28x). In half types it wins unless
+  // torch's kernels run them on AMX tiles (several times faster there); without tiles torch's half-type kernels are no
+  // faster than its float32 ones, also where the processor has AVX512-BF16 (Zen 4). A mask turns the choice around:
+  // fastmha's kernel computes only the runs of keys some query of a chunk sees (padding, causal or block-sparse masks),
+  // torch's computes all (3.7x faster or more with 10-25% of the keys visible, float32).
   const auto dtype = call.query.scalar_type();
   const bool half = dtype == at::kBFloat16 || dtype == at::kHalf;
   const bool torch_on_tiles = cpu::torch_half_on_tiles(dtype);
@@ -124,6 +127,13 @@ KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share) 
       return {K::kOwnCpu,
               "is_causal: fastmha's kernel skips the keys above the diagonal chunk by chunk of queries, faster than "
               "torch's"};
+    }
+    if (!half && call.key.size(2) <= kOwnForwardUpToKeys) {
+      // Measured without a mask: on Zen 4 fastmha's float32 forward took 0.84-0.95x torch's time at 64-512 keys
+      // with d_k 64 (two runs), 0.89-0.99x with d_k 128, 0.94-1.00x at 1024 keys; float64 0.94-1.01x. On Zen 3
+      // float32 0.89x at 128 keys and 0.96x at 512.
+      return {K::kOwnCpu, "forward over at most " + std::to_string(kOwnForwardUpToKeys) +
+                              " keys: fastmha's kernel is faster than torch's there"};
     }
     return {K::kStockCpu, "forward without kept weights or dropout: torch's CPU flash kernel is as fast or faster"};
   }

@@ -59,9 +59,16 @@ def torch_on_tiles():
             torch.float32: False, torch.float64: False}
 
 
-def test_forward_without_weights_runs_torchs_flash_kernel():
+def test_forward_without_weights_runs_fastmhas_kernel_up_to_512_keys_and_torchs_beyond():
     for dtype in (torch.float64, torch.float32):
-        q, k, v = qkv(dtype=dtype)
+        for lk in (11, 512):
+            q, k, v = qkv(b=1, h=1, lk=lk, dtype=dtype)
+            assert choices(q, k, v, need_weights=False)["forward"] == (
+                "fastmha-cpu", "forward over at most 512 keys: fastmha's kernel is faster than torch's there")
+        q, k, v = qkv(b=1, h=1, lk=513, dtype=dtype)
+        assert choices(q, k, v, need_weights=False)["forward"][0] == "torch-cpu-flash"
+        # The keys decide, not the queries: a decoding step over 513 keys runs torch's kernel too.
+        q, k, v = qkv(b=1, h=1, lq=1, lk=513, dtype=dtype)
         assert choices(q, k, v, need_weights=False)["forward"][0] == "torch-cpu-flash"
 
 
@@ -91,7 +98,7 @@ def test_half_type_forward_runs_torchs_kernel_only_on_amx_tiles(dtype, name):
             "kernel is as fast or faster")
 
 
-@pytest.mark.parametrize("lk", [100, 8192])
+@pytest.mark.parametrize("lk", [600, 8192])  # above the 512 keys up to which fastmha's forward runs anyway
 def test_float32_forward_skips_padding_up_to_three_quarters_of_the_keys_at_any_length(lk):
     q, k, v = qkv(b=1, h=1, lq=4, lk=lk, dtype=torch.float32)
     for share, expected in ((0.7, "fastmha-cpu"), (0.8, "torch-cpu-flash")):
@@ -140,7 +147,7 @@ def test_explain_checks_its_inputs():
 
 def test_log_switch_prints_each_calls_choice(monkeypatch, capfd):
     monkeypatch.setenv("FASTMHA_LOG_KERNELS", "1")
-    q, k, v = qkv(dtype=torch.float32, requires_grad=True)
+    q, k, v = qkv(b=1, h=1, lk=600, dtype=torch.float32, requires_grad=True)
     out, _ = torch.ops.fastmha.attention(q, k, v, None, 0.0, False, False)
     out.sum().backward()
     err = capfd.readouterr().err
@@ -305,8 +312,8 @@ def test_backward_given_kept_weights_runs_fastmhas_kernel_at_any_length(monkeypa
 def test_block_without_weights_takes_the_same_choice(monkeypatch, capfd):
     monkeypatch.setenv("FASTMHA_LOG_KERNELS", "1")
     block = fastmha.MultiHeadAttentionBlock(32, 4, 0.0, need_weights=False)
-    x = torch.randn(2, 10, 32)
-    mask = padding_mask(2, 10)
+    x = torch.randn(2, 600, 32)  # torch's forward from 513 keys on
+    mask = padding_mask(2, 600)
     reference = fastmha.MultiHeadAttentionBlock(32, 4, 0.0, need_weights=True)
     reference.load_state_dict(block.state_dict())
     assert_close(block(x, x, x, mask), reference(x, x, x, mask), torch.float32)
