@@ -26,8 +26,9 @@ with the CPU model and ISA.
 --gemm adds, for the forward, the efficiency of the default path: "gemm", the forward's two products alone
 (S = Q K^T into a preallocated (B, 8, Lq, L) buffer, then S V, torch.matmul in the same dtype, every key), timed in
 the same rounds; auto / gemm (1.0: the kernel costs what its products alone cost); and the default's rate in
-GFLOP/s (4 B 8 Lq L d, half of it with is_causal) as a share of this machine's rate for one large product
-(torch.mm of 4096 x 4096 matrices in the same dtype, measured once per dtype).
+GFLOP/s (4 d FLOPs for each visible (query, key) pair: all of them without a mask, the causal triangle with
+is_causal, the mask's nonzero entries otherwise) as a share of this machine's rate for one large product (torch.mm
+of n x n matrices in the same dtype, measured once per dtype: n 4096, 2048 for half types, 256 with --quick).
 
     python benchmarks/bench_kernel_choice.py --out benchmarks/results/kernel-choice-DATE
     python benchmarks/bench_kernel_choice.py --masks padding,padding+causal --out ...
@@ -103,6 +104,17 @@ def run_once(kernel, q, k, v, mask, backward, need_weights, causal, buffers=None
     return time.perf_counter() - start
 
 
+def visible_pairs(mask, causal, batch, len_q, len_k):
+    """The (query, key) pairs a forward must compute, over the batch and the 8 heads: every pair without a mask,
+    key <= query with is_causal (top-left aligned), the mask's nonzero entries otherwise."""
+    if causal:
+        per_head = sum(min(i + 1, len_k) for i in range(len_q))
+        return batch * 8 * per_head
+    if mask is None:
+        return batch * 8 * len_q * len_k
+    return 8 * int(torch.broadcast_to(mask != 0, (batch, 1, len_q, len_k)).sum())
+
+
 def mm_rate(dtype, n, repeats=3):
     """GFLOP/s of torch.mm on two n x n matrices of `dtype`: this machine's rate for one large product."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
@@ -136,7 +148,10 @@ def measure(dtype, batch, length, head_dim, mask_kind, backward, repeats, need_w
     choice = fastmha.explain(q, k, v, mask, need_weights=need_weights, is_causal=causal).splitlines()
     medians = {kernel: statistics.median(t) for kernel, t in times.items()}
     gemm_ms = medians.pop("gemm", None)
-    flops = 4 * batch * 8 * q.size(2) * length * head_dim / (2 if causal else 1)
+    auto_gflops = None
+    if gemm_ms is not None:
+        flops = 4 * head_dim * visible_pairs(mask, causal, batch, q.size(2), length)
+        auto_gflops = round(flops / medians["auto"] / 1e9, 1)
     return {
         "dtype": str(dtype).replace("torch.", ""), "batch": batch, "length": length, "head_dim": head_dim,
         "query_length": query_length or length,
@@ -146,7 +161,7 @@ def measure(dtype, batch, length, head_dim, mask_kind, backward, repeats, need_w
         "auto_runs": [line.split(":")[0] for line in choice],
         "gemm_ms": None if gemm_ms is None else round(gemm_ms * 1e3, 3),
         "auto_over_gemm": None if gemm_ms is None else round(medians["auto"] / gemm_ms, 3),
-        "auto_gflops": round(flops / medians["auto"] / 1e9, 1),
+        "auto_gflops": auto_gflops,
     }
 
 
@@ -187,9 +202,10 @@ def main():
               f"{datetime.date.today()}", *stamp, *half_products_lines()]
     peak = {}
     if args.gemm:
-        n = 256 if args.quick else 4096
         for dtype_name in args.dtypes.split(","):
-            peak[dtype_name] = mm_rate(getattr(torch, dtype_name), n)
+            dtype = getattr(torch, dtype_name)
+            n = 256 if args.quick else 2048 if dtype in HALF_TYPES else 4096  # half types: slow without native mm
+            peak[dtype_name] = mm_rate(dtype, n)
             header.append(f"torch.mm rate, {dtype_name}, {n} x {n}: {peak[dtype_name]:.0f} GFLOP/s")
     print("\n".join(header), flush=True)
     rows = []

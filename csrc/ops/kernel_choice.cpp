@@ -103,8 +103,8 @@ KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share) 
   const bool torch_on_tiles = cpu::torch_half_on_tiles(dtype);
   const double span = key_share.get();
   // The largest share of the keys at which skipping the rest pays off: fastmha's kernel against torch's as
-  // measured without a mask (about even in float32 at any length; 0.2-0.4x where torch multiplies half types on
-  // AMX tiles). Half types torch multiplies without tiles take fastmha's kernel at any share.
+  // measured without a mask (about even in float32 from 1024 keys, faster below; 0.2-0.4x where torch multiplies
+  // half types on AMX tiles). Half types torch multiplies without tiles take fastmha's kernel at any share.
   const double own_pays_below = torch_on_tiles ? 0.2 : 0.75;
   const std::string skipped = "a mask that leaves " + std::to_string(static_cast<int>(span * 100 + 0.5)) +
                               "% of the keys to compute: fastmha's kernel skips the rest";
@@ -133,7 +133,7 @@ KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share) 
       // with d_k 64 (two runs), 0.89-0.99x with d_k 128, 0.94-1.00x at 1024 keys; float64 0.94-1.01x. On Zen 3
       // float32 0.89x at 128 keys and 0.96x at 512.
       return {K::kOwnCpu, "forward over at most " + std::to_string(kOwnForwardUpToKeys) +
-                              " keys: fastmha's kernel is faster than torch's there"};
+                              " keys: fastmha's kernel is as fast as torch's or faster there"};
     }
     return {K::kStockCpu, "forward without kept weights or dropout: torch's CPU flash kernel is as fast or faster"};
   }
@@ -222,13 +222,16 @@ void set_cuda_facts_provider(CudaFactsProvider provider) { cuda_facts_provider()
 
 KernelChoice choose_kernel(const AttentionCall& call) {
   if (call.query.is_cpu()) {
+    // Checked at every CPU call, as FASTMHA_CPU_KERNELS is: a misspelt value fails in any dtype.
+    const auto half_mode = cpu::half_gemm_mode();
     ComputedKeyShare key_share(call);
     auto choice = choose_cpu(call, key_share);
     const auto dtype = call.query.scalar_type();
     if (choice.kernel == AttentionKernel::kOwnCpu && (dtype == at::kBFloat16 || dtype == at::kHalf)) {
       // Only `auto` on a CPU with native products, with enough query rows, reads the mask's sample for the keys.
       const int64_t len_k = call.key.size(2);
-      const auto products = cpu::choose_half_products(dtype, call.pass == Pass::kForward, call.query.size(2), [&] {
+      const bool forward = call.pass == Pass::kForward;
+      const auto products = cpu::choose_half_products(dtype, half_mode, forward, call.query.size(2), [&] {
         return static_cast<int64_t>(std::llround(static_cast<double>(len_k) * key_share.get()));
       });
       choice.half_products = products.in_half_type;

@@ -74,13 +74,16 @@ def test_bench_kernel_choice_measures_the_forwards_products_alone(tmp_path):
     result = json.loads(out.with_suffix(".json").read_text())
     forward = [r for r in result["rows"] if r["pass"] == "fwd"]
     assert len(forward) == 2 and all(r["gemm_ms"] > 0 for r in forward)
-    assert all(r["auto_over_gemm"] == pytest.approx(r["ms"]["auto"] / r["gemm_ms"], rel=1e-2) for r in forward)
-    # is_causal computes half the products: its rate counts half the FLOPs of the full forward.
+    # The times in the JSON are rounded to the microsecond: a few percent at the quick size.
+    assert all(r["auto_over_gemm"] == pytest.approx(r["ms"]["auto"] / r["gemm_ms"], rel=5e-2) for r in forward)
     for r in forward:
-        flops = 4 * r["batch"] * 8 * r["query_length"] * r["length"] * r["head_dim"]
-        flops /= 2 if r["mask"] == "is_causal" else 1
-        assert r["auto_gflops"] == pytest.approx(flops / r["ms"]["auto"] / 1e6, rel=1e-2, abs=0.1)
-    assert all(r["gemm_ms"] is None for r in result["rows"] if r["pass"] == "fwd+bwd")
+        length = r["length"]
+        assert r["query_length"] == length
+        # 4 d FLOPs per (query, key) pair: every pair, or the causal triangle's length (length + 1) / 2.
+        pairs = length * (length + 1) // 2 if r["mask"] == "is_causal" else length * length
+        flops = 4 * r["head_dim"] * r["batch"] * 8 * pairs
+        assert r["auto_gflops"] == pytest.approx(flops / r["ms"]["auto"] / 1e6, rel=5e-2, abs=0.1)
+    assert all(r["gemm_ms"] is None and r["auto_gflops"] is None for r in result["rows"] if r["pass"] == "fwd+bwd")
     assert any(line.startswith("torch.mm rate, float32") for line in result["machine"])
     assert "auto/gemm" in out.with_suffix(".md").read_text()
 

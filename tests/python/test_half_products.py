@@ -232,9 +232,10 @@ def test_float_types_have_no_products_note(monkeypatch):
 def test_bad_switch_value_is_named(monkeypatch):
     monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
     monkeypatch.setenv("FASTMHA_CPU_HALF_GEMM", "amx")
-    q = torch.randn(1, 1, 4, 8, dtype=torch.bfloat16)
     message = re.escape("FASTMHA_CPU_HALF_GEMM must be auto, widen, native or reference, got 'amx'")
-    with pytest.raises(RuntimeError, match=message):
-        torch.ops.fastmha.attention(q, q, q, None, 0.0, True, False)
-    with pytest.raises(RuntimeError, match=message):
-        fastmha.explain(q, q, q)
+    for dtype in (torch.bfloat16, torch.float32):  # checked in every dtype, as FASTMHA_CPU_KERNELS is
+        q = torch.randn(1, 1, 4, 8, dtype=dtype)
+        with pytest.raises(RuntimeError, match=message):
+            torch.ops.fastmha.attention(q, q, q, None, 0.0, True, False)
+        with pytest.raises(RuntimeError, match=message):
+            fastmha.explain(q, q, q)

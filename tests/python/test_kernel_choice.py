@@ -64,7 +64,7 @@ def test_forward_without_weights_runs_fastmhas_kernel_up_to_512_keys_and_torchs_
         for lk in (11, 512):
             q, k, v = qkv(b=1, h=1, lk=lk, dtype=dtype)
             assert choices(q, k, v, need_weights=False)["forward"] == (
-                "fastmha-cpu", "forward over at most 512 keys: fastmha's kernel is faster than torch's there")
+                "fastmha-cpu", "forward over at most 512 keys: fastmha's kernel is as fast as torch's or faster there")
         q, k, v = qkv(b=1, h=1, lk=513, dtype=dtype)
         assert choices(q, k, v, need_weights=False)["forward"][0] == "torch-cpu-flash"
         # The keys decide, not the queries: a decoding step over 513 keys runs torch's kernel too.

@@ -76,7 +76,7 @@ bool native_half_products(at::ScalarType dtype) {
   return false;
 }
 
-HalfProducts choose_half_products(at::ScalarType dtype, bool forward, int64_t rows,
+HalfProducts choose_half_products(at::ScalarType dtype, HalfGemmMode mode, bool forward, int64_t rows,
                                   const std::function<int64_t()>& keys) {
   if (dtype != at::kBFloat16 && dtype != at::kHalf) {
     return {};
@@ -90,7 +90,7 @@ HalfProducts choose_half_products(at::ScalarType dtype, bool forward, int64_t ro
   const std::string unless = forward ? "" : " (widened when the weights get a gradient)";
   const HalfProducts native{true, true, type + " products on this CPU's own instructions (oneDNN brgemm)" + unless};
   const std::string no_native = ": this CPU has no native " + type + " products";
-  switch (half_gemm_mode()) {
+  switch (mode) {
     case HalfGemmMode::kReference:
       return {true, false, type + " products in ATen's reference GEMM (FASTMHA_CPU_HALF_GEMM=reference)" + unless};
     case HalfGemmMode::kNative:

@@ -54,9 +54,10 @@ struct HalfProducts {
   std::string note;           // in words, for fastmha.explain; empty for float32 and float64
 };
 
-// How a forward or a backward in `dtype` with `rows` query rows per head multiplies under FASTMHA_CPU_HALF_GEMM.
-// `keys` gives the keys a row multiplies (those a mask leaves); it is asked only where `auto` needs the count.
-HalfProducts choose_half_products(at::ScalarType dtype, bool forward, int64_t rows,
+// How a forward or a backward in `dtype` with `rows` query rows per head multiplies under `mode` (the value of
+// FASTMHA_CPU_HALF_GEMM). `keys` gives the keys a row multiplies (those a mask leaves); it is asked only where
+// `auto` needs the count.
+HalfProducts choose_half_products(at::ScalarType dtype, HalfGemmMode mode, bool forward, int64_t rows,
                                   const std::function<int64_t()>& keys);
 
 constexpr int64_t kPanel = 64;           // columns per panel of a packed right operand
