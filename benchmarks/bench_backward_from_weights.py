@@ -1,9 +1,11 @@
-"""The CPU backward of a call without dropout that kept its weights: reading them against recomputing them.
+"""The CPU backward of a call that kept its weights: reading them against recomputing them.
 
 For each size and mask, one round runs, interleaved, on the same forward's saved tensors:
   recompute  torch.ops.fastmha._attention_backward without the weights (scores recomputed from the log-sum-exp)
   weights    the same op given the forward's kept weights, as autograd passes them for float32 and float64
-Inputs are (B, 8, L, d) float32 with d = --head-dim (64), fastmha's own CPU kernels; masks: none, or a padded batch
+Inputs are (B, 8, L, d) float32 with d = --head-dim (64), dropout --dropout (0; with dropout the weights hold P
+times the dropout multipliers, and the op recomputes only the dropped ones), fastmha's own CPU kernels; masks: none,
+or a padded batch
 ((B, 1, 1, L) int64, each sequence keeping its first 10-25% of the keys). Medians over --repeats rounds; the ratio is
 recompute time / weights time (> 1: reading the weights is faster). Results are stamped with the CPU model and ISA.
 
@@ -31,16 +33,16 @@ def padding_mask(batch, length):
     return (torch.arange(length)[None, :] < kept[:, None]).long().view(batch, 1, 1, length)
 
 
-def measure(batch, length, head_dim, mask_kind, repeats):
+def measure(batch, length, head_dim, mask_kind, repeats, dropout_p):
     q, k, v = (torch.randn(batch, 8, length, head_dim) for _ in range(3))
     mask = padding_mask(batch, length) if mask_kind == "padding" else None
-    out, weights, lse, rng_state = OPS._attention_forward(q, k, v, mask, 0.0, True, False)
+    out, weights, lse, rng_state = OPS._attention_forward(q, k, v, mask, dropout_p, True, False)
     grad_out = torch.randn_like(out)
-    args = (grad_out, None, q, k, v, mask, out, lse, rng_state, 0.0, False)
+    args = (grad_out, None, q, k, v, mask, out, lse, rng_state, dropout_p, False)
     calls = {"recompute": lambda: OPS._attention_backward(*args),
              "weights": lambda: OPS._attention_backward(*args, weights)}
     ms = {name: round(t, 2) for name, t in interleaved_ms(calls, repeats).items()}
-    return {"batch": batch, "length": length, "head_dim": head_dim, "mask": mask_kind,
+    return {"batch": batch, "length": length, "head_dim": head_dim, "mask": mask_kind, "dropout": dropout_p,
             "ms": ms, "ratio": round(ms["recompute"] / ms["weights"], 2)}
 
 
@@ -49,9 +51,10 @@ COLUMNS = {"mask": lambda r: r["mask"], "B": lambda r: r["batch"], "L": lambda r
            "ratio": lambda r: r["ratio"]}
 
 
-def results_page(header, rows, head_dim, repeats):
-    title = "# CPU backward of a call without dropout that kept its weights: reading them or recomputing them"
-    setup = (f"(B, 8, L, {head_dim}) float32, dropout 0, fastmha's own CPU kernels, `_attention_backward` on one "
+def results_page(header, rows, head_dim, repeats, dropout_p):
+    title = "# CPU backward of a call that kept its weights: reading them or recomputing them"
+    setup = (f"(B, 8, L, {head_dim}) float32, dropout {dropout_p}, fastmha's own CPU kernels, `_attention_backward` "
+             "on one "
              f"forward's saved tensors, interleaved, medians of {repeats}; ratio = recompute / weights.")
     return markdown(title, header, setup, COLUMNS, rows)
 
@@ -61,6 +64,7 @@ def main():
     parser.add_argument("--out", type=Path, help="write OUT.json and OUT.md")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--dropout", type=float, default=0.0, help="the forward's dropout probability")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     os.environ["FASTMHA_CPU_KERNELS"] = "own"
@@ -70,12 +74,12 @@ def main():
     rows = []
     for mask_kind in ("none", "padding"):
         for batch, length in QUICK_SIZES if args.quick else SIZES:
-            row = measure(batch, length, args.head_dim, mask_kind, repeats)
+            row = measure(batch, length, args.head_dim, mask_kind, repeats, args.dropout)
             rows.append(row)
             print(f"{mask_kind:8s} B{batch} L{length} d{args.head_dim} recompute {row['ms']['recompute']:8.2f} ms  "
                   f"weights {row['ms']['weights']:8.2f} ms  ratio {row['ratio']:.2f}", flush=True)
     if args.out:
-        write_results(args.out, header, rows, results_page(header, rows, args.head_dim, repeats))
+        write_results(args.out, header, rows, results_page(header, rows, args.head_dim, repeats, args.dropout))
     return 0
 
 

@@ -42,5 +42,6 @@ def markdown(title, header, setup, columns, rows):
 def write_results(out, header, rows, page):
     """OUT.json (machine header and rows) and OUT.md (the page)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"machine": header, "rows": rows}, indent=1) + "\n")
-    out.with_suffix(".md").write_text(page)
+    # with_name, not with_suffix: a name such as "...-dropout-0.1-DATE" keeps its dots
+    out.with_name(out.name + ".json").write_text(json.dumps({"machine": header, "rows": rows}, indent=1) + "\n")
+    out.with_name(out.name + ".md").write_text(page)

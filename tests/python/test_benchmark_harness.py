@@ -88,12 +88,15 @@ def test_bench_kernel_choice_measures_the_forwards_products_alone(tmp_path):
     assert "auto/gemm" in out.with_suffix(".md").read_text()
 
 
-def test_bench_backward_from_weights_quick_run(tmp_path):
+@pytest.mark.parametrize("dropout", ["0", "0.1"])
+def test_bench_backward_from_weights_quick_run(tmp_path, dropout):
     out = tmp_path / "from-weights"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_backward_from_weights.py"), "--quick", "--out",
-                    str(out)], check=True, capture_output=True, timeout=300)
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_backward_from_weights.py"), "--quick",
+                    "--dropout", dropout, "--out", str(out)], check=True, capture_output=True, timeout=300)
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert {r["mask"] for r in rows} == {"none", "padding"}
+    assert all(r["dropout"] == float(dropout) for r in rows)
+    assert f"dropout {float(dropout)}" in out.with_suffix(".md").read_text()
     assert all(t > 0 for r in rows for t in r["ms"].values())
     assert "| padding | 1 | 128 |" in out.with_suffix(".md").read_text()
 

@@ -1,10 +1,11 @@
-"""The CPU backward takes P from the weights a call without dropout kept, instead of recomputing the scores.
+"""The CPU backward takes P from the weights a call kept, instead of recomputing the scores.
 
-When a float32 or float64 call without dropout keeps its weights (need_weights=True, the drop-in's case) and the
-loss does not read them, autograd hands them to the backward op. Gradients are checked against the float64 oracle
-(with dropout replayed from the Philox stream, where the op recomputes whatever weights it is given), for masks of
-every kind; the op is checked to read the weights it is given without dropout (dV = W^T dO), to leave them
-unchanged, and to reject weights of the wrong shape or dtype.
+When a float32 or float64 call keeps its weights (need_weights=True, the drop-in's case) and the loss does not read
+them, autograd hands them to the backward op. With dropout up to 0.1 the weights are P times the dropout multipliers:
+the op recovers P from the kept ones and recomputes only the dropped ones (zero weights); above, it recomputes all.
+Gradients are checked against the float64 oracle (with dropout replayed from the Philox stream), for masks of every kind; the op is checked to
+read the weights it is given (dV = W^T dO), to leave them unchanged, and to reject weights of the wrong shape or
+dtype.
 """
 
 import pytest
@@ -49,7 +50,7 @@ def oracle_gradients(q, k, v, mask, dropout_p, rng_state, is_causal, grad_out):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("mask_kind", list(MASKS))
-@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1, 0.3])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("key_block", ["", "32"])
 def test_backward_from_kept_weights_matches_the_oracle(monkeypatch, dtype, mask_kind, dropout_p, is_causal, key_block):
@@ -70,13 +71,14 @@ def test_backward_from_kept_weights_matches_the_oracle(monkeypatch, dtype, mask_
     assert torch.equal(weights, kept), "the backward changed the weights it was given"
 
 
-@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1, 0.3])
 @pytest.mark.parametrize("mask_kind", ["none", "padding"])
 @pytest.mark.parametrize("key_block", ["", "32"])
-def test_backward_reads_the_weights_it_is_given_without_dropout(monkeypatch, dropout_p, mask_kind, key_block):
+def test_backward_reads_the_weights_it_is_given(monkeypatch, dropout_p, mask_kind, key_block):
     # dV = W^T dO whatever W holds: other weights of the right shape give their own dV when the op reads them
-    # (over the keys some query sees; with padding the rest carry no weight). With dropout it recomputes the
-    # weights from the log-sum-exp and the Philox stream instead.
+    # (over the keys some query sees; with padding the rest carry no weight). With dropout up to 0.1 too: the
+    # weights are the ones the forward applied, dropout included. Above, it recomputes them from the log-sum-exp
+    # and the Philox stream instead.
     monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
     monkeypatch.setenv("FASTMHA_CPU_KEY_BLOCK", key_block)
     q, k, v = inputs(torch.float64)
@@ -87,21 +89,24 @@ def test_backward_reads_the_weights_it_is_given_without_dropout(monkeypatch, dro
     if mask is not None:
         other = other * mask  # skipped keys are those no query of a chunk sees: they must weigh 0
     _, _, dv = OPS._attention_backward(grad_out, None, q, k, v, mask, out, lse, rng_state, dropout_p, False, other)
-    torch.testing.assert_close(dv, (other if dropout_p == 0 else weights).transpose(-2, -1) @ grad_out)
+    read = other if dropout_p <= 0.1 else weights
+    torch.testing.assert_close(dv, read.transpose(-2, -1) @ grad_out)
 
 
 SPECIAL_INPUTS = {
     "NaN in a value row": lambda q, k, v, g: v[0, 1, 7].fill_(float("nan")),
     "infinity in a query row": lambda q, k, v, g: q[1, 2, 3].fill_(float("inf")),
     "zero output-gradient rows": lambda q, k, v, g: g[:, :, 10:40].zero_(),
+    "infinity in an output-gradient row": lambda q, k, v, g: g[0, 1, 5, 2].fill_(float("inf")),
 }
 
 
 @pytest.mark.parametrize("special", list(SPECIAL_INPUTS))
 @pytest.mark.parametrize("mask_kind", ["none", "padding", "random with hidden rows"])
 @pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
 def test_backward_from_kept_weights_matches_recomputing_with_special_values(monkeypatch, special, mask_kind,
-                                                                          is_causal):
+                                                                          is_causal, dropout_p):
     # NaN and infinity reach the same gradients (NaN where the math has NaN) as the recomputing backward, and
     # rows whose output gradient is zero take the same early way out.
     monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
@@ -109,8 +114,8 @@ def test_backward_from_kept_weights_matches_recomputing_with_special_values(monk
     grad_out = torch.randn(B, H, LQ, D, dtype=torch.float64)
     SPECIAL_INPUTS[special](q, k, v, grad_out)
     mask = MASKS[mask_kind]
-    out, weights, lse, rng_state = OPS._attention_forward(q, k, v, mask, 0.0, True, is_causal)
-    args = (grad_out, None, q, k, v, mask, out, lse, rng_state, 0.0, is_causal)
+    out, weights, lse, rng_state = OPS._attention_forward(q, k, v, mask, dropout_p, True, is_causal)
+    args = (grad_out, None, q, k, v, mask, out, lse, rng_state, dropout_p, is_causal)
     for got, want in zip(OPS._attention_backward(*args, weights), OPS._attention_backward(*args)):
         torch.testing.assert_close(got, want, equal_nan=True)
 
@@ -128,7 +133,42 @@ def test_backward_from_kept_weights_with_one_head_split_across_threads(monkeypat
         torch.testing.assert_close(got_grad, want_grad)
 
 
-@pytest.mark.parametrize("module_dropout", [0.0, 0.2])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_backward_from_kept_weights_with_dropout_rows_near_the_fill(monkeypatch, dtype):
+    # Visible scores about -1e9 + 50: the rows' softmax constants are computed exactly from all their scores (in
+    # float32 such an lse is a multiple of 64), which one recomputed dot product would not match; with dropout
+    # such rows recompute all their scores, and the result is the recomputing backward's.
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
+    q = torch.zeros(B, H, LQ, D, dtype=dtype)
+    q[..., 0] = 1.0
+    k, v = torch.zeros(B, H, LK, D, dtype=dtype), torch.randn(B, H, LK, D, dtype=dtype)
+    k[..., 0] = (-1e9 + 50 * torch.rand(B, H, LK, dtype=torch.float64)) * D**0.5
+    mask = MASKS["padding"]
+    out, weights, lse, rng_state = OPS._attention_forward(q, k, v, mask, 0.1, True, False)
+    grad_out = torch.randn_like(out)
+    args = (grad_out, None, q, k, v, mask, out, lse, rng_state, 0.1, False)
+    for got, want in zip(OPS._attention_backward(*args, weights), OPS._attention_backward(*args)):
+        torch.testing.assert_close(got, want)
+
+
+def test_backward_from_kept_weights_with_dropout_over_many_keys(monkeypatch):
+    # Rows with more dropped weights in one key block than the kernel recomputes in one batch (64).
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
+    monkeypatch.setenv("FASTMHA_CPU_KEY_BLOCK", "2048")
+    q, k, v = (torch.randn(1, 2, n, D, dtype=torch.float64) for n in (20, 1100, 1100))
+    out, weights, lse, rng_state = OPS._attention_forward(q, k, v, None, 0.1, True, False)
+    assert ((weights == 0).sum(-1) > 64).all()
+    grad_out = torch.randn_like(out)
+    got = OPS._attention_backward(grad_out, None, q, k, v, None, out, lse, rng_state, 0.1, False, weights)
+    seed, offset = (int(x) for x in rng_state)
+    keep = expected_keep(seed & (2**64 - 1), offset, tuple(weights.shape), 0.1)
+    ref_inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(oracle_attention(*ref_inputs, None, keep, 0.1)[0], ref_inputs, grad_out)
+    for name, got_grad, want_grad in zip("qkv", got, want):
+        torch.testing.assert_close(got_grad, want_grad, msg=lambda m: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("module_dropout", [0.0, 0.1, 0.2])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_drop_in_block_training_gradients_match_the_oracle(module_dropout, dtype):
     # Through autograd: the block keeps its weights and the loss reads only the output, so the backward gets them.
@@ -173,11 +213,12 @@ def test_backward_rejects_weights_of_another_shape_or_dtype(bad, message):
                                 bad(weights))
 
 
-def test_weights_changed_in_place_before_the_backward_raise():
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+def test_weights_changed_in_place_before_the_backward_raise(dropout_p):
     # The backward reads the very tensor the call returned: changing it in place first is an error, as for the
     # textbook block (its product with the values saves the weights too), not a silently wrong gradient.
     q, k, v = (t.requires_grad_() for t in inputs(torch.float32))
-    out, weights = OPS.attention(q, k, v, None, 0.0, True, False)
+    out, weights = OPS.attention(q, k, v, None, dropout_p, True, False)
     weights.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
@@ -194,15 +235,16 @@ def test_block_attention_scores_changed_in_place_before_the_backward_raise():
         out.sum().backward()
 
 
-@pytest.mark.parametrize("case", ["dropout", "bfloat16", "torch's backward"])
+@pytest.mark.parametrize("case", ["dropout above 0.1", "bfloat16", "torch's backward"])
 def test_weights_are_not_saved_where_the_backward_would_not_read_them(monkeypatch, case):
-    # Not saved, so changing them in place before the backward is no error: with dropout (the weights are no
-    # softmax), in a half type (too coarse for it), or when torch's kernel runs the backward.
+    # Not saved, so changing them in place before the backward is no error: with dropout above 0.1 (too many
+    # dropped weights to recompute one by one), in a half type (too coarse to stand for the softmax), or when
+    # torch's kernel runs the backward.
     if case == "torch's backward":
         monkeypatch.setenv("FASTMHA_CPU_KERNELS", "stock")
     dtype = torch.bfloat16 if case == "bfloat16" else torch.float32
     q, k, v = (t.requires_grad_() for t in inputs(dtype))
-    out, weights = OPS.attention(q, k, v, None, 0.2 if case == "dropout" else 0.0, True, False)
+    out, weights = OPS.attention(q, k, v, None, 0.2 if case == "dropout above 0.1" else 0.0, True, False)
     weights.mul_(2)
     out.sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()

@@ -15,7 +15,8 @@
 // softmax + log-sum-exp + dropout in place, and a second GEMM applies the weights to V. Scores live in a
 // per-task buffer of chunk x Lk (kept weights are written out from it): nothing of size Lq x Lk is allocated
 // otherwise. The backward recomputes each chunk's softmax from the saved log-sum-exp and regenerates the
-// dropout mask from the Philox (seed, offset), or, without dropout, takes P from the weights the forward kept.
+// dropout mask from the Philox (seed, offset), or takes P from the weights the forward kept (with dropout, all but
+// the dropped ones, which it recomputes one by one).
 // It splits each head's query chunks into ranges that run in parallel (partial dK/dV per range, summed by the
 // caller), so it scales even when batch*heads is small.
 #include <ATen/Parallel.h>
@@ -23,6 +24,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -957,6 +959,67 @@ void kept_weights_backward_row(const AttentionInputs<T>& in, const T* grad_out, 
   zero_masked_gradients(in, head, query, span, softmax, dw);
 }
 
+// fused_backward_row for a row whose forward with dropout kept its weights W = P * keep (keep = 0, or 1 / (1 - p)
+// as the forward multiplied), which w holds over the span's columns. With dP = dW * keep, dS = P * (dP - D) is
+// W * (dW - D / keep) where W != 0, with no scores recomputed; where W == 0 (a dropped weight, or P == 0) it is
+// P * ((dW - dW) - D) (NaN where dW is not finite, as dW * 0 is in the math; a product with a constant zero may be
+// folded away), P recomputed from that one score, except at keys
+// the mask or causality hide, whose dS is zero (a masked score has no gradient). Only rows whose softmax constants
+// are not exact come here: the others' constants come from GEMM scores that one dot product would not match.
+template <typename T>
+void kept_dropout_weights_backward_row(const AttentionInputs<T>& in, const T* grad_out, const T* out, int64_t query,
+                                       const KeySpan& span, const Head<T>& head, const RowSoftmax<T>& softmax,
+                                       const T* w, T* dw) {
+  const int64_t width = span.size();
+  using Vec = Vectorized<T>;
+  const T d = output_dot(grad_out, out, in.d_v);
+  const T keep = T(1.0 / (1.0 - in.dropout_p));
+  const Vec d_kept(d / keep), d_vec(d), zero(T(0));
+  int64_t j = 0;
+  for (; j + Vec::size() <= width; j += Vec::size()) {
+    const Vec wj = Vec::loadu(w + j), dwj = Vec::loadu(dw + j);
+    // Where W == 0, the factor (dW - dW) - D that P multiplies below.
+    Vec::blendv(wj * (dwj - d_kept), (dwj - dwj) - d_vec, wj == zero).store(dw + j);
+  }
+  for (; j < width; ++j) dw[j] = w[j] == T(0) ? (dw[j] - dw[j]) - d : w[j] * (dw[j] - d / keep);
+  const T* q_row = head.q + query * in.q_stride.row;
+  const bool* mask_row = span.masked ? head.mask + query * in.mask_stride[2] : nullptr;
+  const int64_t end = in.is_causal ? std::clamp<int64_t>(query + 1, span.lo, span.hi) : span.hi;
+  std::fill(dw + (end - span.lo), dw + width, T(0));  // above the diagonal
+  // The dropped keys' scores one by one, their exponentials a batch at a time.
+  constexpr int kBatch = 64;
+  std::array<int64_t, kBatch> keys;  // indices into the span
+  std::array<T, kBatch> p;
+  int count = 0;
+  const Vec shift(softmax.shift), scale(softmax.scale);
+  const auto flush = [&] {
+    at::vec::map([&](Vec s) { return (s - shift).exp() * scale; }, p.data(), p.data(), count);
+    for (int i = 0; i < count; ++i) dw[keys[i]] *= p[i];
+    count = 0;
+  };
+  const auto add = [&](int64_t key) {
+    if (mask_row != nullptr && !mask_row[(span.lo + key) * in.mask_stride[3]]) {
+      dw[key] = T(0);
+      return;
+    }
+    p[count] = in.scale * output_dot(q_row, head.k + (span.lo + key) * in.k_stride.row, in.d_k);
+    keys[count++] = key;
+    if (count == kBatch) flush();
+  };
+  const int64_t n = end - span.lo;
+  j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) {
+    for (int zeros = Vec::loadu(w + j).zero_mask(); zeros != 0; zeros &= zeros - 1) {
+      add(j + __builtin_ctz(static_cast<unsigned>(zeros)));
+    }
+  }
+  for (; j < n; ++j) {
+    if (w[j] == T(0)) add(j);
+  }
+  flush();
+  zero_masked_gradients(in, head, query, span, softmax, dw);
+}
+
 // One backward task: a range of one head's query chunks, with its own partial dK and dV, zeroed here (the
 // caller sums the splits).
 template <typename T>
@@ -1147,11 +1210,15 @@ void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<
     zero_rows(grad_q, ld_grad_q, rows, in.d_k);
     return;
   }
-  // Kept weights (without dropout) are P itself: no scores are recomputed, and of the softmax constants only
-  // `exact` is read (zero_masked_gradients).
+  // Kept weights without dropout are P itself: no scores are recomputed, and of the softmax constants only
+  // `exact` is read (zero_masked_gradients). With dropout the dropped ones are recomputed from the constants.
   const T* kept = g.weights == nullptr ? nullptr : g.weights + first_row * in.len_k;
-  if (kept == nullptr) {
+  if (kept == nullptr || in.dropout_p > 0) {
     row_softmax_constants(in, g, head, row0, rows, first_row, buf);
+    // With dropout, a chunk with exact softmax constants (rows near the -1e9 fill) recomputes all its scores.
+    for (int64_t r = 0; r < rows && kept != nullptr; ++r) {
+      if (softmax[r].exact) kept = nullptr;
+    }
   } else {
     for (int64_t r = 0; r < rows; ++r) softmax[r] = {T(0), T(1), lse_near_fill(g.lse[first_row + r])};
   }
@@ -1184,13 +1251,16 @@ void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<
       gemm<T>(false, true, rows, n, in.d_v, T(1), grad_out, ld_grad_out, v_part, in.v_stride.row, T(0), grad_w.data(),
               n);
     }
-    if (in.dropout_p > 0) {
+    if (in.dropout_p > 0 && kept == nullptr) {
       fill_chunk_keep(in, first_row, rows, part, words, keep.data());
     }
     for (int64_t r = 0; r < rows; ++r) {
       const T* grad_out_row = grad_out + r * ld_grad_out;
       const T* out_row = out + r * chunk_rows.ld_out;
-      if (kept != nullptr) {
+      if (kept != nullptr && in.dropout_p > 0) {
+        kept_dropout_weights_backward_row(in, grad_out_row, out_row, row0 + r, part, head, softmax[r],
+                                          kept + r * in.len_k + lo, grad_w.data() + r * n);
+      } else if (kept != nullptr) {
         kept_weights_backward_row(in, grad_out_row, out_row, row0 + r, part, head, softmax[r], kept + r * in.len_k + lo,
                                   grad_w.data() + r * n);
       } else {
@@ -1240,8 +1310,8 @@ void blocked_backward(const AttentionInputs<T>& inputs, const AttentionBackwardT
 template <typename T>
 void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g) {
   TORCH_INTERNAL_ASSERT(!in.widen_in_tasks || (std::is_same_v<T, float>), "the tasks widen for float only");
-  TORCH_INTERNAL_ASSERT(g.weights == nullptr || (in.half.q == nullptr && !in.widen_in_tasks && in.dropout_p == 0),
-                        "kept weights are read in the accumulation type and without dropout only");
+  TORCH_INTERNAL_ASSERT(g.weights == nullptr || (in.half.q == nullptr && !in.widen_in_tasks),
+                        "kept weights are read in the accumulation type only");
   if ((g.out != nullptr || in.widen_in_tasks) && g.grad_weights == nullptr) {
     return blocked_backward(in, g);
   }

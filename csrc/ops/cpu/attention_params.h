@@ -102,8 +102,8 @@ struct AttentionBackwardTensors {
   const uint16_t* source_grad_out = nullptr;
   const uint16_t* source_out = nullptr;
   uint16_t* half_grad_q = nullptr;
-  // The weights a forward without dropout kept, (B, H, Lq, Lk) contiguous in T, or nullptr: the blocked backward
-  // takes P from them instead of recomputing the scores.
+  // The weights a forward kept (dropout up to kKeptWeightsMaxDropout), (B, H, Lq, Lk) contiguous in T, or nullptr:
+  // the blocked backward takes P from them instead of recomputing the scores (with dropout, all but the dropped ones).
   const T* weights = nullptr;
 };
 
