@@ -39,9 +39,13 @@ def markdown(title, header, setup, columns, rows):
     return "\n".join([title, "", *[f"- {line}" for line in header], "", setup, "", *table]) + "\n"
 
 
+def results_file(out, suffix):
+    """OUT + suffix. Not with_suffix: a name such as "...-dropout-0.1-DATE" keeps its dots."""
+    return out.with_name(out.name + suffix)
+
+
 def write_results(out, header, rows, page):
     """OUT.json (machine header and rows) and OUT.md (the page)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    # with_name, not with_suffix: a name such as "...-dropout-0.1-DATE" keeps its dots
-    out.with_name(out.name + ".json").write_text(json.dumps({"machine": header, "rows": rows}, indent=1) + "\n")
-    out.with_name(out.name + ".md").write_text(page)
+    results_file(out, ".json").write_text(json.dumps({"machine": header, "rows": rows}, indent=1) + "\n")
+    results_file(out, ".md").write_text(page)

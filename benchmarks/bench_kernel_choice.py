@@ -53,6 +53,8 @@ import torch.nn.functional as F
 import fastmha
 from fastmha.info import cpu_lines
 
+from bench_common import results_file
+
 KERNELS = ["own", "native", "stock", "auto", "sdpa"]
 HALF_TYPES = (torch.bfloat16, torch.float16)
 SIZES = [(16, 128), (4, 512), (2, 1024), (1, 4096)]  # (batch, length): about the same work each
@@ -232,7 +234,7 @@ def main():
                           flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".json").write_text(json.dumps({"machine": header, "rows": rows}, indent=1) + "\n")
+        results_file(args.out, ".json").write_text(json.dumps({"machine": header, "rows": rows}, indent=1) + "\n")
         gemm_head = " gemm ms | auto/gemm | auto GFLOP/s | share of mm |" if args.gemm else ""
         lines = ["# CPU kernel choice: fastmha's kernel, torch's flash kernel, the default choice, and SDPA", "",
                  *[f"- {line}" for line in header], "",
@@ -254,7 +256,7 @@ def main():
                          f"{ms['own']} | {ms.get('native', '-')} | {ms['stock']} | {ms['auto']} | {ms['sdpa']} | "
                          f"{over['own']} | {over.get('native', '-')} | {over['stock']} | {over['auto']} | "
                          f"{', '.join(r['auto_runs'])} |" + efficiency)
-        args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+        results_file(args.out, ".md").write_text("\n".join(lines) + "\n")
     return 0
 
 

@@ -42,6 +42,7 @@ from fastmha.info import cpu_lines
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import EagerBlock, ZeroCostCoreBlock  # noqa: E402
+from bench_common import results_file  # noqa: E402
 
 PAD, SOS = 0, 1
 
@@ -239,7 +240,7 @@ def main():
               f"oracle/bound {rows[-1]['oracle_over_bound']:.2f}", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".json").write_text(
+        results_file(args.out, ".json").write_text(
             json.dumps({"machine": header, "size": asdict(size), "repeats": repeats, "same_decode": same_decode,
                         "rows": rows}, indent=1) + "\n")
         lines = ["# The textbook Transformer: fastmha's block against the textbook block", "",
@@ -253,7 +254,7 @@ def main():
                  "|---|---|---|---|---|---|"]
         lines += [f"| {r['task']} | {r['ms']['oracle']} | {r['ms']['fastmha']} | {r['ms']['bound']} | "
                   f"{r['oracle_over_fastmha']} | {r['oracle_over_bound']} |" for r in rows]
-        args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+        results_file(args.out, ".md").write_text("\n".join(lines) + "\n")
     return 0
 
 

@@ -67,6 +67,11 @@ KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share) 
     return {K::kOwnCpu, "the weights are kept: only fastmha's kernel returns them from a fused pass"};
   }
   if (call.dropout_p > 0) {
+    if (call.pass == Pass::kBackward && call.weights_at_hand) {
+      return {K::kOwnCpu,
+              "dropout: torch's CPU flash kernel has none; fastmha's kernel takes the softmax from the kept weights "
+              "instead of recomputing the scores"};
+    }
     return {K::kOwnCpu, "dropout: torch's CPU flash kernel has none"};
   }
   if (has_empty_input(call)) {

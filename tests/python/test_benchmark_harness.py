@@ -37,10 +37,10 @@ def test_bench_quick_run_times_every_peer_and_writes_every_result_file(tmp_path)
 
 
 def test_bench_kernel_choice_quick_run_with_fewer_queries(tmp_path):
-    out = tmp_path / "queries"
+    out = tmp_path / "queries-1.0"  # a dotted name keeps its dots
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_kernel_choice.py"), "--quick", "--dtypes",
                     "bfloat16", "--query-length", "1", "--out", str(out)], check=True, capture_output=True, timeout=300)
-    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    rows = json.loads((tmp_path / "queries-1.0.json").read_text())["rows"]
     assert {(r["query_length"], r["length"]) for r in rows} == {(1, 64)}
     assert all(t > 0 for r in rows for t in r["ms"].values())
 

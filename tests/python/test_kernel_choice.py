@@ -52,6 +52,19 @@ def test_kept_weights_and_dropout_run_fastmhas_kernel():
     assert "dropout" in fastmha.explain(q, k, v, dropout_p=0.1, need_weights=False)
 
 
+def test_backward_with_dropout_says_when_it_reads_the_kept_weights():
+    # Up to dropout 0.1 a float32/float64 backward takes the softmax from the weights its forward kept.
+    reads = "fastmha's kernel takes the softmax from the kept weights"
+    for dtype in (torch.float32, torch.float64):
+        q, k, v = qkv(dtype=dtype)
+        assert reads in choices(q, k, v, dropout_p=0.1, need_weights=True)["backward"][1]
+        for p, need_weights in ((0.2, True), (0.1, False)):
+            kernel, reason = choices(q, k, v, dropout_p=p, need_weights=need_weights)["backward"]
+            assert (kernel, reason) == ("fastmha-cpu", "dropout: torch's CPU flash kernel has none"), (p, need_weights)
+    q, k, v = qkv(dtype=torch.bfloat16)  # half-type weights are too coarse to stand for the softmax
+    assert reads not in choices(q, k, v, dropout_p=0.1, need_weights=True)["backward"][1]
+
+
 def torch_on_tiles():
     """Whether torch's CPU flash kernels multiply each dtype on AMX tiles on this CPU (as the choice sees it)."""
     flags = cpu_flags()
