@@ -255,7 +255,8 @@ bool weights_serve_backward(const AttentionCall& forward_call) {
   // The kept weights have the query's dtype and device.
   const auto& query = forward_call.query;
   if (!forward_call.need_weights || !query.device().is_cpu() ||
-      !weights_stand_for_softmax(query.scalar_type(), forward_call.dropout_p)) {
+      !weights_stand_for_softmax(query.scalar_type(), forward_call.dropout_p) ||
+      (forward_call.dropout_p > 0 && query.scalar_type() != at::kFloat)) {
     return false;
   }
   const auto symbolic = [](const at::Tensor& t) { return t.unsafeGetTensorImpl()->has_symbolic_sizes_strides(); };

@@ -64,7 +64,7 @@ inline bool weights_kept(const std::optional<at::Tensor>& grad_weights) {
 // Whether kept weights can stand for the softmax P in a backward: in float32 or float64 (half-type weights are too
 // coarse to stand for the fp32 softmax), and with dropout up to kKeptWeightsMaxDropout. With dropout the weights are
 // P times the dropout multipliers: the backward recovers P from the kept ones and recomputes the dropped ones one by
-// one, which pays while they are few. On Zen 4 the core's backward took 0.86-0.98x the recomputing one's time at
+// one, which pays while they are few. On Zen 4 the float32 backward took 0.86-0.98x the recomputing one's time at
 // p = 0.1 (512-4096 keys), 0.95-1.04x with a padded batch; at p = 0.3 1.0x without a mask, 1.04-1.14x with padding.
 inline constexpr double kKeptWeightsMaxDropout = 0.1;
 inline bool weights_stand_for_softmax(at::ScalarType dtype, double dropout_p) {
@@ -73,8 +73,10 @@ inline bool weights_stand_for_softmax(at::ScalarType dtype, double dropout_p) {
 
 // Whether the weights that a forward call kept should be saved for its backward, which then takes P from them
 // instead of recomputing the scores: where they stand for the softmax (above) and fastmha's CPU kernel runs that
-// backward (when the loss does not read the weights). Elsewhere saving them would only hold memory. With symbolic
-// sizes (a graph compiler tracing) the choice's size checks cannot run: the weights are then saved unless
+// backward (when the loss does not read the weights). With dropout only in float32: in float64 the recomputed
+// dropped weights cost more than the scores they spare (on Zen 4 the weights-reading backward took 1.18-1.27x the
+// recomputing one's time at p = 0.1, 0.93-0.96x without dropout). Elsewhere saving them would only hold memory. With
+// symbolic sizes (a graph compiler tracing) the choice's size checks cannot run: the weights are then saved unless
 // FASTMHA_CPU_KERNELS=stock.
 bool weights_serve_backward(const AttentionCall& forward_call);
 

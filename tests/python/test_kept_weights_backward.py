@@ -1,11 +1,12 @@
 """The CPU backward takes P from the weights a call kept, instead of recomputing the scores.
 
 When a float32 or float64 call keeps its weights (need_weights=True, the drop-in's case) and the loss does not read
-them, autograd hands them to the backward op. With dropout up to 0.1 the weights are P times the dropout multipliers:
-the op recovers P from the kept ones and recomputes only the dropped ones (zero weights); above, it recomputes all.
-Gradients are checked against the float64 oracle (with dropout replayed from the Philox stream), for masks of every kind; the op is checked to
-read the weights it is given (dV = W^T dO), to leave them unchanged, and to reject weights of the wrong shape or
-dtype.
+them, autograd hands them to the backward op (with dropout, float32 only). With dropout up to 0.1 the weights are P
+times the dropout multipliers: the op recovers P from the kept ones and recomputes only the dropped ones (zero
+weights); above, it recomputes all. The op does so in float64 too when given the weights, which the tests use.
+Gradients are checked against the float64 oracle (with dropout replayed from the Philox stream), for masks of every
+kind; the op is checked to read the weights it is given (dV = W^T dO), to leave them unchanged, and to reject
+weights of the wrong shape or dtype.
 """
 
 import pytest
@@ -235,16 +236,17 @@ def test_block_attention_scores_changed_in_place_before_the_backward_raise():
         out.sum().backward()
 
 
-@pytest.mark.parametrize("case", ["dropout above 0.1", "bfloat16", "torch's backward"])
+@pytest.mark.parametrize("case", ["dropout above 0.1", "float64 with dropout", "bfloat16", "torch's backward"])
 def test_weights_are_not_saved_where_the_backward_would_not_read_them(monkeypatch, case):
     # Not saved, so changing them in place before the backward is no error: with dropout above 0.1 (too many
-    # dropped weights to recompute one by one), in a half type (too coarse to stand for the softmax), or when
-    # torch's kernel runs the backward.
+    # dropped weights to recompute one by one), with any dropout in float64 (recomputing them costs more there), in
+    # a half type (too coarse to stand for the softmax), or when torch's kernel runs the backward.
     if case == "torch's backward":
         monkeypatch.setenv("FASTMHA_CPU_KERNELS", "stock")
-    dtype = torch.bfloat16 if case == "bfloat16" else torch.float32
+    dtype = {"bfloat16": torch.bfloat16, "float64 with dropout": torch.float64}.get(case, torch.float32)
+    dropout_p = {"dropout above 0.1": 0.2, "float64 with dropout": 0.1}.get(case, 0.0)
     q, k, v = (t.requires_grad_() for t in inputs(dtype))
-    out, weights = OPS.attention(q, k, v, None, 0.2 if case == "dropout above 0.1" else 0.0, True, False)
+    out, weights = OPS.attention(q, k, v, None, dropout_p, True, False)
     weights.mul_(2)
     out.sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
