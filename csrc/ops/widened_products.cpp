@@ -1,6 +1,7 @@
 #include "ops/widened_products.h"
 
 #include <ATen/Context.h>
+#include <torch/version.h>
 
 #include <algorithm>
 
@@ -18,16 +19,30 @@ bool widened(const at::Tensor& x, const at::Tensor& weight) {
   return widens_products(x.scalar_type(), x.device(), rows);
 }
 
+// Whether torch's CPU matmuls may round fp32 operands to bfloat16: float32 matmul precision "medium" (the legacy
+// setting), or bf16 for oneDNN's matmuls in the per-backend settings, after which the legacy getter raises.
+bool fp32_matmul_may_round_to_bfloat16() {
+  try {
+    return at::globalContext().float32MatmulPrecision() == at::Float32MatmulPrecision::MEDIUM;
+  } catch (const c10::Error&) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 15)
+    return at::globalContext().float32Precision(at::Float32Backend::MKLDNN, at::Float32Op::MATMUL) ==
+           at::Float32Precision::BF16;
+#else
+    return true;  // cannot tell: keep float16 operands as they are
+#endif
+  }
+}
+
 }  // namespace
 
 bool widens_products(at::ScalarType dtype, const at::Device& device) {
   if (!device.is_cpu()) {
     return false;
   }
-  // Under float32 matmul precision "medium" torch may round fp32 operands to bfloat16, which float16 values do
-  // not survive (bfloat16 values do).
+  // Where torch may round fp32 operands to bfloat16, float16 values would not survive (bfloat16 values do).
   return (dtype == at::kBFloat16 || dtype == at::kHalf) && !cpu::native_products(dtype) &&
-         !(dtype == at::kHalf && at::globalContext().float32MatmulPrecision() == at::Float32MatmulPrecision::MEDIUM);
+         !(dtype == at::kHalf && fp32_matmul_may_round_to_bfloat16());
 }
 
 bool widens_products(at::ScalarType dtype, const at::Device& device, const c10::SymInt& rows) {

@@ -19,9 +19,21 @@ def _projection(x: Tensor, weight: Tensor) -> Tensor:
     a few rows. The rule is the op's own, from _C.cpu_widens_products."""
     name = _HALF_NAMES.get(x.dtype)
     rows = math.prod(x.shape[:-1])  # all dimensions but the last, as the op counts them
+    # Detached: torch's matmul picks its product for a non-contiguous x by whether an operand requires grad, and the
+    # op, below autograd, sees none that does; the bits must be the op's.
+    x, weight = x.detach(), weight.detach()
     if x.device.type == "cpu" and name is not None and weight.dtype == x.dtype and _C.cpu_widens_products(name, rows):
         return F.linear(x.float(), weight.float()).to(x.dtype)
     return F.linear(x, weight)
+
+
+def _matmul_precision() -> Tuple[str, ...]:
+    """The fp32 matmul precision settings that may change the projections' bits. torch's legacy getter raises once
+    the per-backend settings (torch.backends.fp32_precision, ...) have been used; those are read then."""
+    try:
+        return (torch.get_float32_matmul_precision(),)
+    except RuntimeError:
+        return (str(torch.backends.fp32_precision), str(torch.backends.mkldnn.matmul.fp32_precision))
 
 
 class MultiHeadAttentionBlock(nn.Module):
@@ -129,7 +141,8 @@ class MultiHeadAttentionBlock(nn.Module):
         op (its checks, its numbers) and keeps the projections it made; later calls with the same key, value
         and weights project only the query, and run the same attention core and output projection."""
         if (not self.reuse_projections or k is q or torch.is_grad_enabled() or torch.compiler.is_compiling()
-                or torch.jit.is_tracing()):  # a trace would record the kept projections as constants
+                or torch.jit.is_tracing()  # a trace would record the kept projections as constants
+                or torch._C._are_functorch_transforms_active()):  # vmap over q alone would keep batched projections
             return None
         w_q, w_k, w_v, w_o = self.w_q.weight, self.w_k.weight, self.w_v.weight, self.w_o.weight
         sources = (k, v, w_k, w_v)
@@ -139,7 +152,7 @@ class MultiHeadAttentionBlock(nn.Module):
             return None  # the block's op names what is wrong with a complex mask
         # Besides the sources, what decides the projections' bits; the mask and is_causal decide which keys are
         # projected (the block leaves out keys that no query sees, except with is_causal).
-        settings = (torch.get_num_threads(), torch.get_float32_matmul_precision(), self.is_causal)
+        settings = (torch.get_num_threads(), _matmul_precision(), torch.backends.mkldnn.enabled, self.is_causal)
         projections = self._projection_memo.lookup(sources, settings, mask)
         if projections is None:
             output, attention_weights, _, key_proj, value_proj, _, _, _ = (

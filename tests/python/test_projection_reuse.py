@@ -5,6 +5,8 @@ import copy
 import gc
 import io
 import pickle
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -234,6 +236,59 @@ def test_thread_count_is_part_of_the_key():
             torch.set_num_threads(threads)
 
 
+def test_onednn_switch_is_part_of_the_key():
+    # oneDNN on or off may change the projections' bits (bfloat16 on some CPUs): a memo made with it on must not
+    # serve a call with it off.
+    reusing, _, _ = blocks()
+    memory = torch.randn(2, 8, 32, dtype=torch.float64)
+    x = torch.randn(2, 3, 32, dtype=torch.float64)
+    with torch.no_grad():
+        reusing(x, memory, memory)
+        with torch.backends.mkldnn.flags(enabled=not torch.backends.mkldnn.enabled):
+            counter = OpCounter()
+            with counter:
+                reusing(x, memory, memory)
+            assert counter.names == ["_multi_head_attention_forward"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_non_contiguous_query_matches_recomputation_bit_for_bit(dtype):
+    # A sequence-first query made batch-first by a transpose: the reused call projects it as the op does.
+    reusing, fresh, oracle = blocks(dtype=dtype)
+    memory = torch.randn(2, 8, 32, dtype=dtype)
+    queries = torch.randn(5, 2, 32, dtype=dtype).transpose(0, 1)
+    with torch.no_grad():
+        first = reusing(queries, memory, memory)
+        counter = OpCounter()
+        with counter:
+            again = reusing(queries, memory, memory)
+        assert "_multi_head_attention_forward" not in counter.names  # the memo served it
+        assert torch.equal(first, again)
+        assert torch.equal(again, fresh(queries, memory, memory))
+        torch.testing.assert_close(again, oracle(queries, memory, memory)[0])
+
+
+def test_per_backend_precision_settings_keep_the_memo_and_float16_working():
+    # Once torch's per-backend fp32 precision settings are used, its legacy getter raises: the block reads the new
+    # ones. In a fresh process, since the settings cannot be undone.
+    script = """
+import torch, fastmha
+torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+block = fastmha.MultiHeadAttentionBlock(16, 2, 0.0).eval()
+q, memory = torch.randn(2, 3, 16), torch.randn(2, 7, 16)
+with torch.no_grad():
+    first, again = block(q, memory, memory), block(q, memory, memory)
+assert torch.equal(first, again)
+out, _ = torch.ops.fastmha.multi_head_attention(torch.randn(2, 3, 16, dtype=torch.float16),
+    *(torch.randn(2, 3, 16, dtype=torch.float16) for _ in range(2)),
+    *(torch.randn(16, 16, dtype=torch.float16) for _ in range(4)), 2)
+assert torch.isfinite(out).all()
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
 def test_is_causal_is_part_of_the_key():
     # With a padding mask the block projects only the keys some query sees, but with is_causal all of them: a
     # memo made without is_causal must not serve a call with it.
@@ -266,6 +321,20 @@ def test_tracing_and_vmap_take_the_op():
         batched = torch.vmap(lambda x, m: reusing(x, m, m))(xs, memories)
         for i in range(3):
             torch.testing.assert_close(batched[i], oracle(xs[i], memories[i], memories[i])[0])
+
+
+def test_vmap_over_the_query_alone_keeps_no_batched_projections():
+    # vmap over queries against one shared encoder output: the memo must not keep the transform's tensors, which
+    # a later plain call would then meet.
+    reusing, _, oracle = blocks()
+    memory = torch.randn(2, 8, 32, dtype=torch.float64)
+    xs = torch.randn(3, 2, 4, 32, dtype=torch.float64)
+    with torch.no_grad():
+        batched = torch.vmap(lambda x: reusing(x, memory, memory))(xs)
+        x = torch.randn(2, 4, 32, dtype=torch.float64)
+        torch.testing.assert_close(reusing(x, memory, memory), oracle(x, memory, memory)[0])
+    for i in range(3):
+        torch.testing.assert_close(batched[i], oracle(xs[i], memory, memory)[0])
 
 
 def test_projections_are_freed_with_the_key_and_value():
