@@ -1,6 +1,7 @@
 """Reused key/value projections: a decoder re-run over a growing prefix against one encoder output gets the same
 numbers as recomputing every projection, and any change of the key, value or weights is seen."""
 
+import contextlib
 import copy
 import gc
 import io
@@ -29,6 +30,14 @@ class OpCounter(TorchDispatchMode):
         if func.namespace == "fastmha":
             self.names.append(func.__name__.split(".")[0])
         return func(*args, **(kwargs or {}))
+
+
+def ops_run(call):
+    """(the fastmha ops that call() ran, its result)."""
+    counter = OpCounter()
+    with counter:
+        result = call()
+    return counter.names, result
 
 
 class CrossAttention(torch.nn.Module):
@@ -219,36 +228,29 @@ def test_bad_inputs_after_a_reuse_still_get_the_blocks_errors():
     assert out.shape == (2, 3, 32)
 
 
-def test_thread_count_is_part_of_the_key():
-    reusing, _, _ = blocks()
-    memory = torch.randn(2, 8, 32, dtype=torch.float64)
-    x = torch.randn(2, 3, 32, dtype=torch.float64)
+@contextlib.contextmanager
+def other_thread_count():
     threads = torch.get_num_threads()
-    with torch.no_grad():
-        reusing(x, memory, memory)
-        try:
-            torch.set_num_threads(1 if threads > 1 else 2)  # GEMM results may depend on the thread count
-            counter = OpCounter()
-            with counter:
-                reusing(x, memory, memory)
-            assert counter.names == ["_multi_head_attention_forward"]
-        finally:
-            torch.set_num_threads(threads)
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
-def test_onednn_switch_is_part_of_the_key():
-    # oneDNN on or off may change the projections' bits (bfloat16 on some CPUs): a memo made with it on must not
-    # serve a call with it off.
+# Settings that may change the projections' bits: GEMM results may depend on the thread count, and oneDNN on or off
+# changes bfloat16 products on some CPUs. A memo made under one must not serve a call under another.
+@pytest.mark.parametrize("setting", ["thread count", "oneDNN switch"])
+def test_settings_that_change_the_bits_are_part_of_the_key(setting):
     reusing, _, _ = blocks()
     memory = torch.randn(2, 8, 32, dtype=torch.float64)
     x = torch.randn(2, 3, 32, dtype=torch.float64)
+    changed = (other_thread_count() if setting == "thread count"
+               else torch.backends.mkldnn.flags(enabled=not torch.backends.mkldnn.enabled))
     with torch.no_grad():
         reusing(x, memory, memory)
-        with torch.backends.mkldnn.flags(enabled=not torch.backends.mkldnn.enabled):
-            counter = OpCounter()
-            with counter:
-                reusing(x, memory, memory)
-            assert counter.names == ["_multi_head_attention_forward"]
+        with changed:
+            assert ops_run(lambda: reusing(x, memory, memory))[0] == ["_multi_head_attention_forward"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -259,10 +261,8 @@ def test_non_contiguous_query_matches_recomputation_bit_for_bit(dtype):
     queries = torch.randn(5, 2, 32, dtype=dtype).transpose(0, 1)
     with torch.no_grad():
         first = reusing(queries, memory, memory)
-        counter = OpCounter()
-        with counter:
-            again = reusing(queries, memory, memory)
-        assert "_multi_head_attention_forward" not in counter.names  # the memo served it
+        names, again = ops_run(lambda: reusing(queries, memory, memory))
+        assert "_multi_head_attention_forward" not in names  # the memo served it
         assert torch.equal(first, again)
         assert torch.equal(again, fresh(queries, memory, memory))
         torch.testing.assert_close(again, oracle(queries, memory, memory)[0])
@@ -299,10 +299,8 @@ def test_is_causal_is_part_of_the_key():
     with torch.no_grad():
         reusing(x, memory, memory, mask)
         reusing.is_causal = fresh.is_causal = True
-        counter = OpCounter()
-        with counter:
-            got = reusing(x, memory, memory, mask)
-        assert counter.names == ["_multi_head_attention_forward"]
+        names, got = ops_run(lambda: reusing(x, memory, memory, mask))
+        assert names == ["_multi_head_attention_forward"]
         assert torch.equal(got, fresh(x, memory, memory, mask))
 
 
