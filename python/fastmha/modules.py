@@ -27,6 +27,13 @@ def _projection(x: Tensor, weight: Tensor) -> Tensor:
     return F.linear(x, weight)
 
 
+def _checked_dropout(p: float) -> float:
+    """An nn.Dropout's probability, which may have been set after construction: as nn.Dropout's own check."""
+    if not (p >= 0.0 and p <= 1.0):  # NaN fails both
+        raise ValueError("fastmha: dropout probability has to be between 0 and 1, but got " + str(p))
+    return p
+
+
 def _matmul_precision() -> Tuple[str, ...]:
     """The fp32 matmul precision settings that may change the projections' bits. torch's legacy getter raises once
     the per-backend settings (torch.backends.fp32_precision, ...) have been used; those are read then."""
@@ -104,7 +111,7 @@ class MultiHeadAttentionBlock(nn.Module):
 
         ``dropout`` is an ``nn.Dropout`` (applied only while it is in training mode) or None.
         """
-        p = dropout.p if dropout is not None and dropout.training else 0.0
+        p = _checked_dropout(dropout.p) if dropout is not None and dropout.training else 0.0
         output, weights = torch.ops.fastmha.attention(query, key, value, mask, p if p < 1.0 else 0.0, True)
         if p >= 1.0:  # nn.Dropout(1.0) drops every weight
             return output * 0.0, weights * 0.0
@@ -117,10 +124,13 @@ class MultiHeadAttentionBlock(nn.Module):
         mask) the score is -1e9 before the softmax. Returns (batch, Lq, d_model) and keeps the post-dropout
         weights (batch, h, Lq, Lk) in ``attention_scores`` when ``need_weights`` is True.
         """
-        p = self.dropout.p if self.dropout.training else 0.0
+        p = _checked_dropout(self.dropout.p) if self.dropout.training else 0.0
         result: Optional[Tuple[Tensor, Tensor]] = None
         if not torch.jit.is_scripting():
-            result = self._forward_reusing_projections(q, k, v, mask, p if p < 1.0 else 0.0)
+            if not self._projections_are_plain():
+                result = self._forward_through_projection_modules(q, k, v, mask, p if p < 1.0 else 0.0)
+            else:
+                result = self._forward_reusing_projections(q, k, v, mask, p if p < 1.0 else 0.0)
         if result is None:
             result = torch.ops.fastmha.multi_head_attention(
                 q, k, v, self.w_q.weight, self.w_k.weight, self.w_v.weight, self.w_o.weight,
@@ -131,6 +141,71 @@ class MultiHeadAttentionBlock(nn.Module):
             output, weights = output * 0.0, weights * 0.0
         self.attention_scores = weights if self.need_weights else None
         return output
+
+    @torch.jit.unused
+    def _projections_are_plain(self) -> bool:
+        """Whether the four projections are bias-free ``nn.Linear`` modules that no hook watches, so that the
+        block's op may read their weights without calling them. A hook (forward, backward, or global), another
+        module in their place (a wrapper, a parametrized or biased Linear) makes ``forward`` call them instead,
+        as the textbook block does."""
+        from torch.nn.modules import module as module_hooks
+
+        if (module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks
+                or module_hooks._global_backward_hooks or module_hooks._global_backward_pre_hooks):
+            return False
+        for linear in (self.w_q, self.w_k, self.w_v, self.w_o):
+            if type(linear) is not nn.Linear or linear.bias is not None or linear._forward_hooks or (
+                    linear._forward_pre_hooks or linear._backward_hooks or linear._backward_pre_hooks):
+                return False
+        return True
+
+    @torch.jit.unused
+    def _check_inputs(self, q: Tensor, k: Tensor, v: Tensor) -> None:
+        """The block op's checks of q, k and v, with its messages, for the path that calls the projection modules
+        (a module may accept what the block does not, such as a 4-D input)."""
+        floats = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+        layouts = {"query": "(batch, Lq, d_model)", "key": "(batch, Lk, d_model)", "value": "(batch, Lk, d_model)"}
+        for name, x in (("query", q), ("key", k), ("value", v)):
+            if not isinstance(x, Tensor):
+                raise TypeError(f"fastmha: {name} must be a Tensor, got {type(x).__name__}")
+            if x.layout != torch.strided:
+                raise RuntimeError(f"fastmha: {name} must be a strided (dense) tensor, got layout {x.layout}")
+            if name == "query" and x.dtype not in floats:
+                raise RuntimeError("fastmha: query must be a floating-point tensor (float32, float64, float16 or "
+                                   f"bfloat16), got {x.dtype}")
+            if name != "query" and (x.dtype != q.dtype or x.device != q.device):
+                raise RuntimeError(f"fastmha: {name} must have the query's dtype and device {q.dtype}, {q.device}, "
+                                   f"got {x.dtype}, {x.device}")
+            if x.dim() != 3:
+                raise RuntimeError(f"fastmha: {name} must be 3-D {layouts[name]}, got shape {list(x.shape)}")
+            if x.shape[2] != self.d_model:
+                raise RuntimeError(f"fastmha: {name} must have d_model = {self.d_model} features (last dim), got "
+                                   f"shape {list(x.shape)}")
+        if not q.shape[0] == k.shape[0] == v.shape[0]:
+            raise RuntimeError("fastmha: query, key and value must have the same batch size (dim 0), got query "
+                               f"{list(q.shape)}, key {list(k.shape)}, value {list(v.shape)}")
+        if k.shape[1] != v.shape[1]:
+            raise RuntimeError(f"fastmha: key and value must have the same length (dim 1), got key {list(k.shape)}, "
+                               f"value {list(v.shape)}")
+
+    @torch.jit.unused
+    def _forward_through_projection_modules(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], p: float
+    ) -> Tuple[Tensor, Tensor]:
+        """``forward``'s result with the projections computed by calling the four modules (so their hooks run),
+        around the same attention core as the block's op (which checks the mask and the projected heads)."""
+        self._check_inputs(q, k, v)
+        batch = q.shape[0]
+
+        def split_heads(x: Tensor) -> Tensor:
+            return x.view(x.shape[0], x.shape[1], self.h, self.d_k).transpose(1, 2)
+
+        heads_out, attention_weights = torch.ops.fastmha.attention(
+            split_heads(self.w_q(q)), split_heads(self.w_k(k)), split_heads(self.w_v(v)), mask, p,
+            self.need_weights, self.is_causal,
+        )
+        context = heads_out.transpose(1, 2).reshape(batch, heads_out.shape[2], self.d_model)
+        return self.w_o(context), attention_weights
 
     @torch.jit.unused
     def _forward_reusing_projections(
@@ -203,7 +278,7 @@ class MultiHeadAttentionBlock(nn.Module):
         value_cache: Optional[Tensor] = None
         if cache is not None:
             key_cache, value_cache = cache
-        p = self.dropout.p if self.dropout.training else 0.0
+        p = _checked_dropout(self.dropout.p) if self.dropout.training else 0.0
         output, keys, values = torch.ops.fastmha.multi_head_attention_step(
             x, self.w_q.weight, self.w_k.weight, self.w_v.weight, self.w_o.weight, self.h,
             key_cache, value_cache, mask, p if p < 1.0 else 0.0,

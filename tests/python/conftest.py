@@ -4,6 +4,7 @@ import tempfile
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # torch's Inductor cache is not keyed by ATEN_CPU_CAPABILITY: vector code compiled under one capability fails to
 # compile when a run under another reuses it. Runs that set the capability get a cache of their own.
@@ -48,3 +49,16 @@ def device(request):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the fastmha ops a call runs (their names), to see which path the block took."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "fastmha":
+            self.names.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))

@@ -12,24 +12,11 @@ import weakref
 
 import pytest
 import torch
+from conftest import OpCounter
 from oracle import OracleBlock
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastmha
 from fastmha._projection_memo import ProjectionMemo
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the fastmha ops a call runs (their names), to see which path the block took."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "fastmha":
-            self.names.append(func.__name__.split(".")[0])
-        return func(*args, **(kwargs or {}))
 
 
 def ops_run(call):

@@ -1,0 +1,161 @@
+"""The block calls its four projection modules, as the textbook block does, when they are not plain bias-free
+nn.Linear modules: a hook on them (forward, backward or global), a parametrized or biased Linear, or another module
+in their place. Checked against the oracle block given the same modules and hooks; plain projections still take
+the block's op."""
+
+import pytest
+import torch
+from conftest import OpCounter
+from oracle import OracleBlock
+from torch import nn
+from torch.nn.utils import parametrizations
+
+import fastmha
+
+
+class LowRankAdapted(nn.Module):
+    """A wrapper in a Linear's place, as adapter libraries install them: base(x) + x A^T B^T."""
+
+    def __init__(self, base, rank=2):
+        super().__init__()
+        self.base = base
+        self.down = nn.Linear(base.in_features, rank, bias=False)
+        self.up = nn.Linear(rank, base.out_features, bias=False)
+
+    def forward(self, x):
+        return self.base(x) + self.up(self.down(x))
+
+
+def pair(d_model=16, h=2):
+    torch.manual_seed(0)
+    block = fastmha.MultiHeadAttentionBlock(d_model, h, 0.0).double()
+    oracle = OracleBlock(d_model, h).double()
+    oracle.load_state_dict(block.state_dict())
+    return block, oracle
+
+
+def inputs(d_model=16):
+    x = torch.randn(2, 5, d_model, dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(2, 1, 1, 5, dtype=torch.int64)
+    mask[1, ..., 3:] = 0
+    return x, mask
+
+
+def check_against_oracle(block, oracle, params):
+    """Output, weights and gradients (of the input and of `params`: pairs of block and oracle tensors)."""
+    x, mask = inputs()
+    out = block(x, x, x, mask)
+    xo = x.detach().clone().requires_grad_()
+    want, want_weights = oracle(xo, xo, xo, mask)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(block.attention_scores, want_weights)
+    grad_out = torch.randn_like(out)
+    got = torch.autograd.grad(out, [x] + [p for p, _ in params], grad_out)
+    expected = torch.autograd.grad(want, [xo] + [p for _, p in params], grad_out)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
+
+
+def test_plain_projections_take_the_blocks_op():
+    block, _ = pair()
+    x, mask = inputs()
+    names = OpCounter()
+    with names:
+        block(x, x, x, mask)
+    assert "_multi_head_attention_forward" in names.names
+
+
+def test_hooked_projections_run_the_attention_core_alone():
+    block, _ = pair()
+    block.w_o.register_forward_hook(lambda module, args, output: None)
+    x, mask = inputs()
+    names = OpCounter()
+    with names:
+        block(x, x, x, mask)
+    assert "_multi_head_attention_forward" not in names.names and "_attention_forward" in names.names
+
+
+def test_forward_hooks_run_and_may_replace_the_output():
+    block, oracle = pair()
+    seen = []
+    for model in (block, oracle):
+        model.w_q.register_forward_hook(lambda module, args, output: seen.append(output.shape))
+        model.w_v.register_forward_hook(lambda module, args, output: output * 2)
+    check_against_oracle(block, oracle, [(block.w_v.weight, oracle.w_v.weight)])
+    assert seen == [torch.Size([2, 5, 16])] * 2  # once in the block, once in the oracle
+
+
+@pytest.mark.filterwarnings("ignore:.*weight_norm.* is deprecated")
+def test_forward_pre_hook_weight_norm_is_applied():
+    # The older weight_norm recomputes the weight in a forward pre-hook: reading .weight without calling the
+    # module would use a stale one.
+    block, oracle = pair()
+    for model in (block, oracle):
+        nn.utils.weight_norm(model.w_k)
+        with torch.no_grad():
+            model.w_k.weight_g.mul_(3.0)
+    check_against_oracle(block, oracle, [(block.w_k.weight_g, oracle.w_k.weight_g)])
+
+
+def test_parametrized_biased_and_wrapped_projections():
+    block, oracle = pair()
+    torch.manual_seed(1)
+    biased = nn.Linear(16, 16, bias=True).double()
+    for model in (block, oracle):
+        parametrizations.weight_norm(model.w_q)
+        model.w_o = biased
+    block.w_k = LowRankAdapted(block.w_k).double()
+    oracle.w_k = LowRankAdapted(oracle.w_k).double()
+    oracle.w_k.load_state_dict(block.w_k.state_dict())
+    check_against_oracle(block, oracle, [(block.w_k.up.weight, oracle.w_k.up.weight), (biased.bias, biased.bias)])
+
+
+@pytest.mark.parametrize("kind", ["forward", "forward_pre"])
+def test_global_module_hooks_see_the_projections(kind):
+    block, _ = pair()
+    called = []
+    register = getattr(nn.modules.module, f"register_module_{kind}_hook")
+    handle = register(lambda module, *args: called.append(type(module).__name__))
+    try:
+        x, mask = inputs()
+        block(x, x, x, mask)
+    finally:
+        handle.remove()
+    assert called.count("Linear") == 4
+
+
+BAD_INPUTS = {
+    "d_model": (lambda x, y: (x[..., :6], y, y), "query must have d_model = 16 features"),
+    "2-D query": (lambda x, y: (x[0], y, y), "query must be 3-D"),
+    "4-D query": (lambda x, y: (x.unsqueeze(2), y, y), "query must be 3-D"),
+    "batch": (lambda x, y: (x, y[:1], y[:1]), "the same batch size"),
+    "integer query": (lambda x, y: (x.long(), y, y), "query must be a floating-point tensor"),
+    "dtype": (lambda x, y: (x.float(), y, y), "key must have the query's dtype"),
+    "length": (lambda x, y: (x, y, y[:, :2]), "key and value must have the same length"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_hooked_block_checks_its_inputs_as_the_op_does(case):
+    make, message = BAD_INPUTS[case]
+    x, y = torch.randn(2, 5, 16, dtype=torch.float64), torch.randn(2, 7, 16, dtype=torch.float64)
+    for hooked in (False, True):
+        block, _ = pair()
+        if hooked:
+            block.w_q.register_forward_hook(lambda module, args, output: None)
+        with pytest.raises(RuntimeError, match=message):
+            block(*make(x, y))
+
+
+@pytest.mark.parametrize("p", [float("nan"), 1.5, -0.1])
+def test_dropout_set_after_construction_is_checked(p):
+    block = fastmha.MultiHeadAttentionBlock(16, 2, 0.1).train()
+    block.dropout.p = p
+    x = torch.randn(2, 5, 16)
+    message = "dropout probability has to be between 0 and 1"
+    with pytest.raises(ValueError, match=message):
+        block(x, x, x)
+    with pytest.raises(ValueError, match=message):
+        block.forward_step(x)
+    with pytest.raises(ValueError, match=message):
+        fastmha.MultiHeadAttentionBlock.attention(*(torch.randn(2, 2, 5, 8) for _ in range(3)), None, block.dropout)
