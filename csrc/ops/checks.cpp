@@ -1,10 +1,28 @@
 #include "ops/checks.h"
 
+#include <ATen/OpMathType.h>
 #include <c10/util/Exception.h>
 
+#include <string>
 #include <vector>
 
 namespace fastmha {
+
+void check_dense(const at::Tensor& t, const char* name) {
+  if (!t.defined()) {
+    return;
+  }
+  TORCH_CHECK(t.layout() == at::kStrided && !t.is_nested(), "fastmha: ", name,
+              " must be a dense (strided) tensor, got ", t.is_nested() ? "a nested tensor" : "layout ",
+              t.is_nested() ? std::string() : c10::str(t.layout()));
+}
+
+void check_dense(const std::optional<at::Tensor>& t, const char* name) {
+  if (t.has_value()) {
+    check_dense(*t, name);
+  }
+}
+
 namespace {
 
 bool is_supported_float(at::ScalarType t) {
@@ -13,6 +31,7 @@ bool is_supported_float(at::ScalarType t) {
 
 void check_defined(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.defined(), "fastmha: ", name, " must be a tensor, got an undefined tensor");
+  check_dense(t, name);
 }
 
 // `t` must share `ref`'s dtype and device (ref is the query, which fixes both for the call).
@@ -134,6 +153,38 @@ void check_block_inputs(const at::Tensor& query, const at::Tensor& key, const at
   check_same_length(key, value, 1);
   check_mask(mask, query, query.sym_size(0), c10::SymInt(num_heads), query.sym_size(1), key.sym_size(1));
   check_dropout(dropout_p);
+}
+
+void check_attention_mask(const std::optional<at::Tensor>& mask, const at::Tensor& query, const c10::SymInt& batch,
+                          const c10::SymInt& heads, const c10::SymInt& len_q, const c10::SymInt& len_k) {
+  check_mask(mask, query, batch, heads, len_q, len_k);
+}
+
+void check_backward_inputs(const at::Tensor& grad_output, const at::Tensor& query, const at::Tensor& key,
+                           const at::Tensor& value, const std::optional<at::Tensor>& mask, const at::Tensor& output,
+                           const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p) {
+  check_attention_inputs(query, key, value, mask, dropout_p);
+  const auto batch = query.sym_size(0), heads = query.sym_size(1), len_q = query.sym_size(2);
+  const std::vector<c10::SymInt> out_shape = {batch, heads, len_q, value.sym_size(3)};
+  const std::pair<const at::Tensor*, const char*> outputs[] = {{&grad_output, "grad_output"}, {&output, "output"}};
+  for (const auto& [t, name] : outputs) {
+    check_like_query(*t, name, query);
+    TORCH_CHECK(t->sym_sizes() == c10::SymIntArrayRef(out_shape), "fastmha: ", name,
+                " must have the forward output's shape (batch, h, Lq, d_v) = ", c10::SymIntArrayRef(out_shape),
+                ", got ", t->sym_sizes());
+  }
+  check_defined(logsumexp, "logsumexp");
+  const std::vector<c10::SymInt> lse_shape = {batch, heads, len_q};
+  const auto lse_dtype = at::toOpMathType(query.scalar_type());
+  TORCH_CHECK(logsumexp.sym_sizes() == c10::SymIntArrayRef(lse_shape) && logsumexp.scalar_type() == lse_dtype &&
+                  logsumexp.device() == query.device(),
+              "fastmha: logsumexp must be the forward's (batch, h, Lq) = ", c10::SymIntArrayRef(lse_shape), " ",
+              lse_dtype, " on ", query.device(), ", got ", logsumexp.sym_sizes(), " ", logsumexp.scalar_type(), " on ",
+              logsumexp.device());
+  check_defined(rng_state, "rng_state");
+  TORCH_CHECK(rng_state.scalar_type() == at::kLong && rng_state.dim() == 1 && rng_state.sym_numel() == 2,
+              "fastmha: rng_state must be the forward's 2 int64 values (seed, offset), got ", rng_state.sym_sizes(),
+              " ", rng_state.scalar_type());
 }
 
 void check_kept_weights(const std::optional<at::Tensor>& weights, const at::Tensor& query, const at::Tensor& key) {

@@ -3,14 +3,31 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/SymInt.h>
 
 #include <optional>
 
 namespace fastmha {
 
+// `t` (when defined or given) must be a dense tensor: not sparse, nested or oneDNN-blocked. The ops' autograd kernels
+// ask it first, since a tensor of another layout would otherwise meet the dispatcher's "could not run" error.
+void check_dense(const at::Tensor& t, const char* name);
+void check_dense(const std::optional<at::Tensor>& t, const char* name);
+
 // query (batch, h, Lq, d_k), key (batch, h, Lk, d_k), value (batch, h, Lk, d_v).
 void check_attention_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                             const std::optional<at::Tensor>& mask, double dropout_p);
+
+// A mask for scores of shape (batch, heads, len_q, len_k): real or bool, on the query's device, broadcastable to
+// them without growing them.
+void check_attention_mask(const std::optional<at::Tensor>& mask, const at::Tensor& query, const c10::SymInt& batch,
+                          const c10::SymInt& heads, const c10::SymInt& len_q, const c10::SymInt& len_k);
+
+// The backward's tensors from its forward: grad_output and output (batch, h, Lq, d_v) in the query's dtype,
+// logsumexp (batch, h, Lq) in its accumulation type, rng_state 2 int64 values; and the forward's own checks.
+void check_backward_inputs(const at::Tensor& grad_output, const at::Tensor& query, const at::Tensor& key,
+                           const at::Tensor& value, const std::optional<at::Tensor>& mask, const at::Tensor& output,
+                           const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p);
 
 // The backward's kept weights: nullopt, or (batch, h, Lq, Lk) in the query's dtype, on its device.
 void check_kept_weights(const std::optional<at::Tensor>& weights, const at::Tensor& query, const at::Tensor& key);

@@ -22,7 +22,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> multi_head_attention_step_impl(
     const std::optional<at::Tensor>& mask, double dropout_p) {
   TORCH_CHECK(key_cache.has_value() == value_cache.has_value(),
               "fastmha: key_cache and value_cache must be given together");
+  check_dense(x, "x");
+  check_dense(key_cache, "key_cache");
+  check_dense(value_cache, "value_cache");
+  check_dense(mask, "mask");
   check_block_inputs(x, x, x, w_q, w_k, w_v, w_o, num_heads, std::nullopt, dropout_p);
+  if (key_cache.has_value()) {
+    const std::pair<const at::Tensor*, const char*> caches[] = {{&*key_cache, "key_cache"},
+                                                                {&*value_cache, "value_cache"}};
+    for (const auto& [cache, name] : caches) {
+      TORCH_CHECK(cache->scalar_type() == x.scalar_type() && cache->device() == x.device(), "fastmha: ", name,
+                  " must have x's dtype ", x.scalar_type(), " and device ", x.device(), ", got ", cache->scalar_type(),
+                  " on ", cache->device());
+    }
+  }
   auto keys = split_heads(widened_linear(x, w_k), num_heads);
   auto values = split_heads(widened_linear(x, w_v), num_heads);
   if (key_cache.has_value()) {
@@ -39,6 +52,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> multi_head_attention_step_impl(
     values = values.contiguous();
   }
   const auto len_new = x.sym_size(1), len_total = keys.sym_size(2);
+  // The caller's mask, checked as given (not after it is combined with the causal cut).
+  check_attention_mask(mask, x, x.sym_size(0), c10::SymInt(num_heads), len_new, len_total);
   // New position i (absolute T_past + i) sees keys j <= T_past + i.
   auto positions = at::arange(c10::Scalar(len_total), x.options().dtype(at::kLong));
   auto limits = at::arange(c10::Scalar(len_new), x.options().dtype(at::kLong)).add(c10::Scalar(len_total - len_new));

@@ -59,6 +59,9 @@ BLOCK_CASES = {
     "mask would grow the scores": (dict(mask=torch.ones(4, 2, 3, 4)), r"does not broadcast"),
     "complex mask": (dict(mask=torch.ones(4, dtype=torch.complex64)), r"mask must be a real or bool tensor, got ComplexFloat"),
     "(batch, Lk) padding mask": (dict(mask=torch.ones(2, 4)), r"does not broadcast .* a \(batch, Lk\) padding mask needs the head and query dims: mask\[:, None, None, :\]"),
+    "sparse query": (dict(q=torch.randn(2, 3, D).to_sparse()), r"query must be a dense \(strided\) tensor, got layout Sparse"),
+    "sparse weight": (dict(ws=[torch.randn(D, D)] * 3 + [torch.randn(D, D).to_sparse()]), r"w_o must be a dense \(strided\) tensor"),
+    "sparse mask": (dict(mask=torch.ones(2, 1, 1, 4).to_sparse()), r"mask must be a dense \(strided\) tensor, got layout Sparse"),
 }
 
 
@@ -76,6 +79,8 @@ CORE_CASES = {
     "zero head size": (dict(q=torch.randn(2, 2, 3, 0), k=torch.randn(2, 2, 5, 0)), r"head size d_k .* must be positive"),
     "half mask mismatch": (dict(mask=torch.ones(3, 4)), r"mask of shape \[3, 4\] does not broadcast .* \[2, 2, 3, 5\]"),
     "bool inputs": (dict(q=torch.ones(2, 2, 3, 4, dtype=torch.bool)), r"floating-point tensor .* got Bool"),
+    "sparse key": (dict(k=torch.randn(2, 2, 5, 4).to_sparse()), r"key must be a dense \(strided\) tensor, got layout Sparse"),
+    "sparse mask": (dict(mask=torch.ones(3, 5).to_sparse()), r"mask must be a dense \(strided\) tensor, got layout Sparse"),
 }
 
 
@@ -118,3 +123,66 @@ def test_empty_batch_and_zero_length_through_the_module():
         assert out.shape == q_shape
         assert block.attention_scores.shape == (q_shape[0], H, q_shape[1], kv_shape[1])
         assert torch.isfinite(out).all()
+
+
+def step_call(x=None, cache=None, mask=None):
+    x = torch.randn(2, 3, D) if x is None else x
+    ws = [torch.randn(D, D) for _ in range(4)]
+    cache = (torch.randn(2, H, 4, D // H),) * 2 if cache is None else cache
+    return torch.ops.fastmha.multi_head_attention_step(x, *ws, H, *cache, mask)
+
+
+STEP_CASES = {
+    "integer cache": (dict(cache=(torch.ones(2, H, 4, D // H, dtype=torch.long),) * 2), r"key_cache must have x's dtype Float and device cpu, got Long"),
+    "float64 value cache": (dict(cache=(torch.randn(2, H, 4, D // H), torch.randn(2, H, 4, D // H, dtype=torch.float64))), r"value_cache must have x's dtype Float .* got Double"),
+    "meta cache": (dict(cache=(torch.randn(2, H, 4, D // H, device="meta"),) * 2), r"key_cache must have x's dtype Float and device cpu, got Float on meta"),
+    "complex mask": (dict(mask=torch.ones(7, dtype=torch.complex64)), r"mask must be a real or bool tensor, got ComplexFloat"),
+    # The caller's mask is checked as given: 7 keys (4 cached + 3 new), not the 5 it holds.
+    "mask length": (dict(mask=torch.ones(2, 1, 1, 5)), r"mask of shape \[2, 1, 1, 5\] does not broadcast to the scores \(batch, h, Lq, Lk\) \[2, 2, 3, 7\]"),
+    "mask batch": (dict(mask=torch.ones(3, 1, 1, 7)), r"mask of shape \[3, 1, 1, 7\] does not broadcast"),
+    "sparse x": (dict(x=torch.randn(2, 3, D).to_sparse()), r"x must be a dense \(strided\) tensor, got layout Sparse"),
+}
+
+
+@pytest.mark.parametrize("kwargs,match", list(STEP_CASES.values()), ids=list(STEP_CASES))
+def test_step_op_errors(kwargs, match):
+    with pytest.raises(RuntimeError, match=match):
+        step_call(**kwargs)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+def test_nested_inputs_are_named():
+    nested = torch.nested.nested_tensor([torch.randn(2, 3, 4), torch.randn(2, 5, 4)])
+    q, k = torch.randn(2, 2, 3, 4), torch.randn(2, 2, 5, 4)
+    with pytest.raises(RuntimeError, match=r"query must be a dense \(strided\) tensor, got a nested tensor"):
+        torch.ops.fastmha.attention(nested, k, k, None, 0.0, True)
+    with pytest.raises(RuntimeError, match=r"mask must be a dense \(strided\) tensor, got a nested tensor"):
+        torch.ops.fastmha.attention(q, k, k, torch.nested.nested_tensor([torch.ones(3, 5), torch.ones(3, 5)]), 0.0,
+                                    True)
+
+
+def backward_call(**changes):
+    """The private backward op on one forward's saved tensors, with some of them replaced."""
+    q, k, v = (torch.randn(2, 3, 6, 4) for _ in range(3))
+    out, _, lse, rng_state = torch.ops.fastmha._attention_forward(q, k, v, None, 0.5, False, False)
+    saved = dict(grad_output=torch.randn_like(out), output=out, logsumexp=lse, rng_state=rng_state)
+    saved.update(changes)
+    return torch.ops.fastmha._attention_backward(saved["grad_output"], None, q, k, v, None, saved["output"],
+                                                 saved["logsumexp"], saved["rng_state"], 0.5, False)
+
+
+BACKWARD_CASES = {
+    "empty logsumexp": (dict(logsumexp=torch.empty(0)), r"logsumexp must be the forward's \(batch, h, Lq\) = \[2, 3, 6\] Float on cpu, got \[0\]"),
+    "short logsumexp": (dict(logsumexp=torch.zeros(2, 3, 1)), r"logsumexp must be the forward's .* got \[2, 3, 1\]"),
+    "empty rng_state": (dict(rng_state=torch.empty(0, dtype=torch.long)), r"rng_state must be the forward's 2 int64 values \(seed, offset\), got \[0\] Long"),
+    "small grad_output": (dict(grad_output=torch.randn(1, 1, 1, 1)), r"grad_output must have the forward output's shape \(batch, h, Lq, d_v\) = \[2, 3, 6, 4\], got \[1, 1, 1, 1\]"),
+    "output dtype": (dict(output=torch.randn(2, 3, 6, 4, dtype=torch.float64)), r"output must have the query's dtype Float, got Double"),
+}
+
+
+@pytest.mark.parametrize("changes,match", list(BACKWARD_CASES.values()), ids=list(BACKWARD_CASES))
+def test_private_backward_checks_the_forwards_tensors(changes, match):
+    # Autograd always passes consistent tensors; a direct call with others gets an error, not a crash.
+    with pytest.raises(RuntimeError, match=match):
+        backward_call(**changes)
+    backward_call()  # the consistent call runs

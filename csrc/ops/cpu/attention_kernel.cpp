@@ -246,6 +246,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
     const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& mask, const at::Tensor& output,
     const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p, bool is_causal,
     const std::optional<at::Tensor>& weights) {
+  check_backward_inputs(grad_output, query, key, value, mask, output, logsumexp, rng_state, dropout_p);
   check_kept_weights(weights, query, key);
   const auto dtype = query.scalar_type();
   const auto acc = at::toOpMathType(dtype);
