@@ -8,6 +8,28 @@
 
 namespace fastmha {
 
+// `mask` as bool (nonzero, NaN too, attends), converting only its distinct elements: dimensions that an expand()
+// gave zero strides are converted at size 1 and expanded again, so an expanded mask stays a view, not a copy at
+// the expanded size.
+// `t` with the dimensions an expand() gave zero strides narrowed to size 1: its distinct elements, which broadcast
+// back to it. `t` itself under symbolic sizes (a graph being traced).
+inline at::Tensor distinct_elements(const at::Tensor& t) {
+  if (t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+    return t;
+  }
+  at::Tensor distinct = t;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.stride(d) == 0 && t.size(d) > 1) {
+      distinct = distinct.narrow(d, 0, 1);
+    }
+  }
+  return distinct;
+}
+
+inline at::Tensor to_bool_view(const at::Tensor& mask) {
+  return distinct_elements(mask).to(at::kBool).expand_symint(mask.sym_sizes());
+}
+
 // The mask as bool (nonzero, NaN too, attends), converted once where several ops read it (the block's forward
 // reads it for its unseen keys and in one or two attention calls): each would otherwise convert it again. Left as
 // it is where it is no valid mask (a complex dtype, another device), for the checks to name.
@@ -16,7 +38,7 @@ inline std::optional<at::Tensor> as_bool_mask(const std::optional<at::Tensor>& m
       at::isComplexType(mask->scalar_type()) || mask->device() != query.device()) {
     return mask;
   }
-  return mask->to(at::kBool);
+  return to_bool_view(*mask);
 }
 
 // What an autograd function passes to its forward and saves for its backward: the mask as bool when that copy is
@@ -35,7 +57,7 @@ inline at::Tensor broadcast_mask(const std::optional<at::Tensor>& mask, const at
   if (!mask.has_value()) {
     return {};
   }
-  return mask->to(at::kBool).expand({query.size(0), query.size(1), query.size(2), key.size(2)});
+  return to_bool_view(*mask).expand({query.size(0), query.size(1), query.size(2), key.size(2)});
 }
 
 // Points a kernel's parameters (fields `mask` and `mask_stride[4]`) at a view from broadcast_mask; an

@@ -3,6 +3,10 @@ once for the forward and the backward. Outputs, weights and gradients must be bi
 `mask != 0` (the bool path itself is checked against the oracle elsewhere), with the same dropout, and the
 user's mask must come back unchanged."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -104,3 +108,30 @@ def test_a_small_mask_is_saved_as_bool_and_a_large_one_as_passed(op, length, con
         assert masks[0].dtype == torch.bool and torch.equal(masks[0], mask != 0)
     else:
         assert masks[0] is mask or masks[0].data_ptr() == mask.data_ptr()
+
+
+@pytest.mark.parametrize("kernels", ["own", "stock"])
+def test_expanded_integer_mask_is_not_converted_at_its_expanded_size(kernels):
+    # A (1, 1, 1, L) int64 mask expanded to (1, 1, L, L): converted at its size, read through zero strides. At the
+    # expanded size its bool copy alone would be 64 MiB (and the stock layer's float bias 256 MiB more). In a
+    # fresh process, whose peak resident memory tells.
+    script = """
+import resource, torch, fastmha
+L = 8192
+q, k, v = (torch.randn(1, 1, L, 8, requires_grad=True) for _ in range(3))
+small = (torch.arange(L) < L - 5).long().view(1, 1, 1, L)
+def run(mask):
+    out, _ = torch.ops.fastmha.attention(q, k, v, mask, 0.0, False)
+    out.sum().backward()
+    return out
+ref = run(small)
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out = run(small.expand(1, 1, L, L))
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base, torch.equal(out, ref))
+"""
+    env = {**os.environ, "FASTMHA_CPU_KERNELS": kernels}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    grown_kib, same = result.stdout.split()
+    assert same == "True"
+    assert int(grown_kib) < 32 * 1024, f"peak memory grew by {grown_kib} KiB"

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 
+#include "ops/broadcast_mask.h"
 #include "ops/heads.h"
 #include "ops/masked_score.h"
 
@@ -40,7 +41,10 @@ Prepared prepare(const at::Tensor& query, const at::Tensor& key, const std::opti
     return p;
   }
   const int64_t len_q = query.size(2), len_k = key.size(2);
-  auto visible = as_4d(mask->ne(0).to(query.device()));
+  // Worked out on the mask's distinct elements and expanded at the end: an expanded mask stays a view (torch's
+  // kernels read the bias through its strides).
+  const auto mask_sizes = as_4d(*mask).sizes().vec();
+  auto visible = as_4d(distinct_elements(*mask).ne(0).to(query.device()));
   if (is_causal) {
     visible = visible.logical_and(at::ones({len_q, len_k}, visible.options()).tril());
   }
@@ -54,7 +58,8 @@ Prepared prepare(const at::Tensor& query, const at::Tensor& key, const std::opti
   }
   const auto options = query.options();
   p.bias = at::where(visible, at::scalar_tensor(0.0, options),
-                     at::scalar_tensor(-std::numeric_limits<double>::infinity(), options));
+                     at::scalar_tensor(-std::numeric_limits<double>::infinity(), options))
+               .expand(at::infer_size(mask_sizes, visible.sizes()));
   return p;
 }
 
