@@ -27,18 +27,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> multi_head_attention_step_impl(
   check_dense(value_cache, "value_cache");
   check_dense(mask, "mask");
   check_block_inputs(x, x, x, w_q, w_k, w_v, w_o, num_heads, std::nullopt, dropout_p);
-  if (key_cache.has_value()) {
-    const std::pair<const at::Tensor*, const char*> caches[] = {{&*key_cache, "key_cache"},
-                                                                {&*value_cache, "value_cache"}};
-    for (const auto& [cache, name] : caches) {
-      TORCH_CHECK(cache->scalar_type() == x.scalar_type() && cache->device() == x.device(), "fastmha: ", name,
-                  " must have x's dtype ", x.scalar_type(), " and device ", x.device(), ", got ", cache->scalar_type(),
-                  " on ", cache->device());
-    }
-  }
   auto keys = split_heads(widened_linear(x, w_k), num_heads);
   auto values = split_heads(widened_linear(x, w_v), num_heads);
   if (key_cache.has_value()) {
+    // Against the new keys, not x: under autocast the projections (and so the caches) are in the autocast type.
+    const std::pair<const at::Tensor*, const char*> caches[] = {{&*key_cache, "key_cache"},
+                                                                {&*value_cache, "value_cache"}};
+    for (const auto& [cache, name] : caches) {
+      TORCH_CHECK(cache->scalar_type() == keys.scalar_type() && cache->device() == keys.device(), "fastmha: ", name,
+                  " must have the projected keys' dtype ", keys.scalar_type(), " and device ", keys.device(), ", got ",
+                  cache->scalar_type(), " on ", cache->device());
+    }
     TORCH_CHECK(key_cache->dim() == 4 && key_cache->sym_size(0) == keys.sym_size(0) &&
                     key_cache->sym_size(1) == keys.sym_size(1) && key_cache->sym_size(3) == keys.sym_size(3) &&
                     value_cache->sym_sizes() == key_cache->sym_sizes(),

@@ -27,6 +27,16 @@ def _projection(x: Tensor, weight: Tensor) -> Tensor:
     return F.linear(x, weight)
 
 
+def _split_heads(x: Tensor, h: int) -> Tensor:
+    """(batch, L, d_model) -> (batch, h, L, d_model // h), a view."""
+    return x.view(x.shape[0], x.shape[1], h, x.shape[2] // h).transpose(1, 2)
+
+
+def _merge_heads(x: Tensor) -> Tensor:
+    """(batch, h, L, d_k) -> (batch, L, h * d_k)."""
+    return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], x.shape[1] * x.shape[3])
+
+
 def _checked_dropout(p: float) -> float:
     """An nn.Dropout's probability, which may have been set after construction: as nn.Dropout's own check."""
     if not (p >= 0.0 and p <= 1.0):  # NaN fails both
@@ -124,23 +134,36 @@ class MultiHeadAttentionBlock(nn.Module):
         mask) the score is -1e9 before the softmax. Returns (batch, Lq, d_model) and keeps the post-dropout
         weights (batch, h, Lq, Lk) in ``attention_scores`` when ``need_weights`` is True.
         """
-        p = _checked_dropout(self.dropout.p) if self.dropout.training else 0.0
+        p = _checked_dropout(self.dropout.p) if self.dropout.training else _checked_dropout(self.dropout.p) * 0.0
         result: Optional[Tuple[Tensor, Tensor]] = None
+        through_modules = False
         if not torch.jit.is_scripting():
             if not self._projections_are_plain():
-                result = self._forward_through_projection_modules(q, k, v, mask, p if p < 1.0 else 0.0)
+                self._check_inputs(q, k, v)
+                through_modules = True
             else:
                 result = self._forward_reusing_projections(q, k, v, mask, p if p < 1.0 else 0.0)
-        if result is None:
+        elif self._has_bias():
+            through_modules = True
+        if through_modules:
+            result = self._attend_through_modules(q, k, v, mask, p)
+        elif result is None:
             result = torch.ops.fastmha.multi_head_attention(
                 q, k, v, self.w_q.weight, self.w_k.weight, self.w_v.weight, self.w_o.weight,
                 self.h, mask, p if p < 1.0 else 0.0, self.need_weights, self.is_causal,
             )
+        assert result is not None
         output, weights = result
-        if p >= 1.0:  # nn.Dropout(1.0) drops every weight: zero weights, zero output
+        if p >= 1.0 and not through_modules:  # nn.Dropout(1.0) drops every weight: zero weights, zero output
             output, weights = output * 0.0, weights * 0.0
         self.attention_scores = weights if self.need_weights else None
         return output
+
+    def _has_bias(self) -> bool:
+        """Whether a projection has a bias, which the fused ops (weights only) would leave out: TorchScript's
+        test for calling the modules (hooks do not run there)."""
+        return (self.w_q.bias is not None or self.w_k.bias is not None or self.w_v.bias is not None
+                or self.w_o.bias is not None)
 
     @torch.jit.unused
     def _projections_are_plain(self) -> bool:
@@ -188,24 +211,41 @@ class MultiHeadAttentionBlock(nn.Module):
             raise RuntimeError(f"fastmha: key and value must have the same length (dim 1), got key {list(k.shape)}, "
                                f"value {list(v.shape)}")
 
-    @torch.jit.unused
-    def _forward_through_projection_modules(
+    def _attend_through_modules(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], p: float
     ) -> Tuple[Tensor, Tensor]:
         """``forward``'s result with the projections computed by calling the four modules (so their hooks run),
-        around the same attention core as the block's op (which checks the mask and the projected heads)."""
-        self._check_inputs(q, k, v)
-        batch = q.shape[0]
-
-        def split_heads(x: Tensor) -> Tensor:
-            return x.view(x.shape[0], x.shape[1], self.h, self.d_k).transpose(1, 2)
-
+        around the same attention core as the block's op (which checks the mask and the projected heads). With
+        ``p`` >= 1 every weight is dropped before ``w_o``, as in the textbook block (w_o's bias stays)."""
         heads_out, attention_weights = torch.ops.fastmha.attention(
-            split_heads(self.w_q(q)), split_heads(self.w_k(k)), split_heads(self.w_v(v)), mask, p,
-            self.need_weights, self.is_causal,
+            _split_heads(self.w_q(q), self.h), _split_heads(self.w_k(k), self.h), _split_heads(self.w_v(v), self.h),
+            mask, p if p < 1.0 else 0.0, self.need_weights, self.is_causal,
         )
-        context = heads_out.transpose(1, 2).reshape(batch, heads_out.shape[2], self.d_model)
-        return self.w_o(context), attention_weights
+        if p >= 1.0:
+            heads_out, attention_weights = heads_out * 0.0, attention_weights * 0.0
+        return self.w_o(_merge_heads(heads_out)), attention_weights
+
+    def _step_through_modules(
+        self, x: Tensor, key_cache: Optional[Tensor], value_cache: Optional[Tensor], mask: Optional[Tensor], p: float
+    ) -> Tuple[Tensor, Tuple[Tensor, Tensor]]:
+        """``forward_step`` with the projections computed by calling the modules, as ``forward`` does for them."""
+        keys = _split_heads(self.w_k(x), self.h)
+        values = _split_heads(self.w_v(x), self.h)
+        if key_cache is not None and value_cache is not None:
+            keys, values = torch.cat([key_cache, keys], 2), torch.cat([value_cache, values], 2)
+        else:
+            keys, values = keys.contiguous(), values.contiguous()
+        len_new, len_total = x.shape[1], keys.shape[2]
+        # New position i (absolute len_total - len_new + i) sees keys up to itself.
+        visible = torch.ones(len_new, len_total, dtype=torch.bool, device=x.device).tril(len_total - len_new)
+        if mask is not None:
+            visible = (mask != 0) & visible
+        heads_out, _ = torch.ops.fastmha.attention(
+            _split_heads(self.w_q(x), self.h), keys, values, visible, p if p < 1.0 else 0.0, False, False
+        )
+        if p >= 1.0:
+            heads_out = heads_out * 0.0
+        return self.w_o(_merge_heads(heads_out)), (keys, values)
 
     @torch.jit.unused
     def _forward_reusing_projections(
@@ -278,7 +318,13 @@ class MultiHeadAttentionBlock(nn.Module):
         value_cache: Optional[Tensor] = None
         if cache is not None:
             key_cache, value_cache = cache
-        p = _checked_dropout(self.dropout.p) if self.dropout.training else 0.0
+        p = _checked_dropout(self.dropout.p) if self.dropout.training else _checked_dropout(self.dropout.p) * 0.0
+        if torch.jit.is_scripting():
+            if self._has_bias():
+                return self._step_through_modules(x, key_cache, value_cache, mask, p)
+        elif not self._projections_are_plain():
+            self._check_inputs(x, x, x)
+            return self._step_through_modules(x, key_cache, value_cache, mask, p)
         output, keys, values = torch.ops.fastmha.multi_head_attention_step(
             x, self.w_q.weight, self.w_k.weight, self.w_v.weight, self.w_o.weight, self.h,
             key_cache, value_cache, mask, p if p < 1.0 else 0.0,

@@ -33,3 +33,19 @@ def test_core_op_under_cpu_autocast():
     assert out.dtype == torch.bfloat16
     ref_out, _ = oracle_attention(q.double(), k.double(), v.double())
     torch.testing.assert_close(out.double(), ref_out, atol=5e-2, rtol=5e-2)
+
+
+def test_decoding_steps_under_cpu_autocast():
+    # The step's caches come back in the autocast dtype and are accepted by the next step.
+    torch.manual_seed(0)
+    block = fastmha.MultiHeadAttentionBlock(32, 4, 0.0).eval()
+    x = torch.randn(2, 5, 32)
+    causal = torch.ones(5, 5).tril()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        whole = block(x, x, x, causal)
+        outputs, cache = [], None
+        for t in range(5):
+            out, cache = block.forward_step(x[:, t:t + 1], cache)
+            outputs.append(out)
+    assert cache[0].dtype == torch.bfloat16 and outputs[0].dtype == torch.bfloat16
+    torch.testing.assert_close(torch.cat(outputs, 1).float(), whole.float(), atol=5e-2, rtol=5e-2)

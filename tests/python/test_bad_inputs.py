@@ -133,9 +133,9 @@ def step_call(x=None, cache=None, mask=None):
 
 
 STEP_CASES = {
-    "integer cache": (dict(cache=(torch.ones(2, H, 4, D // H, dtype=torch.long),) * 2), r"key_cache must have x's dtype Float and device cpu, got Long"),
-    "float64 value cache": (dict(cache=(torch.randn(2, H, 4, D // H), torch.randn(2, H, 4, D // H, dtype=torch.float64))), r"value_cache must have x's dtype Float .* got Double"),
-    "meta cache": (dict(cache=(torch.randn(2, H, 4, D // H, device="meta"),) * 2), r"key_cache must have x's dtype Float and device cpu, got Float on meta"),
+    "integer cache": (dict(cache=(torch.ones(2, H, 4, D // H, dtype=torch.long),) * 2), r"key_cache must have the projected keys' dtype Float and device cpu, got Long"),
+    "float64 value cache": (dict(cache=(torch.randn(2, H, 4, D // H), torch.randn(2, H, 4, D // H, dtype=torch.float64))), r"value_cache must have the projected keys' dtype Float .* got Double"),
+    "meta cache": (dict(cache=(torch.randn(2, H, 4, D // H, device="meta"),) * 2), r"key_cache must have the projected keys' dtype Float and device cpu, got Float on meta"),
     "complex mask": (dict(mask=torch.ones(7, dtype=torch.complex64)), r"mask must be a real or bool tensor, got ComplexFloat"),
     # The caller's mask is checked as given: 7 keys (4 cached + 3 new), not the 5 it holds.
     "mask length": (dict(mask=torch.ones(2, 1, 1, 5)), r"mask of shape \[2, 1, 1, 5\] does not broadcast to the scores \(batch, h, Lq, Lk\) \[2, 2, 3, 7\]"),

@@ -159,3 +159,53 @@ def test_dropout_set_after_construction_is_checked(p):
         block.forward_step(x)
     with pytest.raises(ValueError, match=message):
         fastmha.MultiHeadAttentionBlock.attention(*(torch.randn(2, 2, 5, 8) for _ in range(3)), None, block.dropout)
+
+
+def test_dropout_one_keeps_the_output_projections_bias():
+    # nn.Dropout(1.0) drops every weight before w_o: the textbook block then returns w_o(0) = w_o's bias.
+    block, oracle = pair()
+    biased = nn.Linear(16, 16, bias=True).double()
+    block.w_o = oracle.w_o = biased
+    block.dropout.p = 1.0
+    block.train()
+    x, mask = inputs()
+    out = block(x, x, x, mask)
+    torch.testing.assert_close(out, biased.bias.expand_as(out))
+    assert torch.count_nonzero(block.attention_scores) == 0
+    out.sum().backward()
+    torch.testing.assert_close(biased.bias.grad, torch.full_like(biased.bias, out.shape[0] * out.shape[1]))
+
+
+@pytest.mark.parametrize("kind", ["biased w_v", "hooked w_q", "adapted w_k"])
+def test_forward_step_calls_the_projection_modules_as_forward_does(kind):
+    # Stepping through a sequence gives forward's outputs with a causal mask, also for modules forward calls.
+    block, _ = pair()
+    if kind == "biased w_v":
+        block.w_v = nn.Linear(16, 16, bias=True).double()
+    elif kind == "hooked w_q":
+        block.w_q.register_forward_hook(lambda module, args, output: output * 1.5)
+    else:
+        block.w_k = LowRankAdapted(block.w_k).double()
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    pad = torch.ones(2, 1, 1, 6, dtype=torch.int64)
+    causal = torch.ones(6, 6, dtype=torch.int64).tril()
+    with torch.no_grad():
+        whole = block(x, x, x, causal * pad)
+        outputs, cache = [], None
+        for t in range(6):
+            out, cache = block.forward_step(x[:, t:t + 1], cache, pad[..., :t + 1])
+            outputs.append(out)
+    torch.testing.assert_close(torch.cat(outputs, 1), whole)
+
+
+def test_scripted_block_keeps_a_projections_bias():
+    # TorchScript runs no hooks, but a bias it can see: the scripted block calls the modules then, as eager does.
+    block, _ = pair()
+    block.w_o = nn.Linear(16, 16, bias=True).double()
+    block.eval()
+    scripted = torch.jit.script(block)
+    x, mask = inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(scripted(x, x, x, mask), block(x, x, x, mask))
+        step, _ = scripted.forward_step(x[:, :1])
+        torch.testing.assert_close(step, block.forward_step(x[:, :1])[0])
