@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _C
+from . import _module_checks
 from ._projection_memo import ProjectionMemo, can_hold
 
 _HALF_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -112,6 +113,13 @@ class MultiHeadAttentionBlock(nn.Module):
         self.reuse_projections = reuse_projections
         self.attention_scores = None
         self._projection_memo = ProjectionMemo()
+        self._calls_modules = False  # what a scripted block does: decided when it is scripted
+
+    def __prepare_scriptable__(self) -> "MultiHeadAttentionBlock":
+        # TorchScript cannot look at hooks or module types at run time: a block whose projections are not plain
+        # when it is scripted calls them in the scripted code (which runs their scriptable hooks).
+        self._calls_modules = not self._projections_are_plain()
+        return self
 
     @staticmethod
     def attention(
@@ -121,7 +129,9 @@ class MultiHeadAttentionBlock(nn.Module):
 
         ``dropout`` is an ``nn.Dropout`` (applied only while it is in training mode) or None.
         """
-        p = _checked_dropout(dropout.p) if dropout is not None and dropout.training else 0.0
+        p = 0.0
+        if dropout is not None:
+            p = _checked_dropout(dropout.p) if dropout.training else _checked_dropout(dropout.p) * 0.0
         output, weights = torch.ops.fastmha.attention(query, key, value, mask, p if p < 1.0 else 0.0, True)
         if p >= 1.0:  # nn.Dropout(1.0) drops every weight
             return output * 0.0, weights * 0.0
@@ -136,15 +146,11 @@ class MultiHeadAttentionBlock(nn.Module):
         """
         p = _checked_dropout(self.dropout.p) if self.dropout.training else _checked_dropout(self.dropout.p) * 0.0
         result: Optional[Tuple[Tensor, Tensor]] = None
-        through_modules = False
-        if not torch.jit.is_scripting():
-            if not self._projections_are_plain():
-                self._check_inputs(q, k, v)
-                through_modules = True
-            else:
-                result = self._forward_reusing_projections(q, k, v, mask, p if p < 1.0 else 0.0)
-        elif self._has_bias():
-            through_modules = True
+        through_modules = self._calls_modules if torch.jit.is_scripting() else not self._projections_are_plain()
+        if through_modules:
+            _module_checks.check_block_inputs(q, k, v, self.d_model)
+        elif not torch.jit.is_scripting():
+            result = self._forward_reusing_projections(q, k, v, mask, p if p < 1.0 else 0.0)
         if through_modules:
             result = self._attend_through_modules(q, k, v, mask, p)
         elif result is None:
@@ -158,12 +164,6 @@ class MultiHeadAttentionBlock(nn.Module):
             output, weights = output * 0.0, weights * 0.0
         self.attention_scores = weights if self.need_weights else None
         return output
-
-    def _has_bias(self) -> bool:
-        """Whether a projection has a bias, which the fused ops (weights only) would leave out: TorchScript's
-        test for calling the modules (hooks do not run there)."""
-        return (self.w_q.bias is not None or self.w_k.bias is not None or self.w_v.bias is not None
-                or self.w_o.bias is not None)
 
     @torch.jit.unused
     def _projections_are_plain(self) -> bool:
@@ -181,35 +181,6 @@ class MultiHeadAttentionBlock(nn.Module):
                     linear._forward_pre_hooks or linear._backward_hooks or linear._backward_pre_hooks):
                 return False
         return True
-
-    @torch.jit.unused
-    def _check_inputs(self, q: Tensor, k: Tensor, v: Tensor) -> None:
-        """The block op's checks of q, k and v, with its messages, for the path that calls the projection modules
-        (a module may accept what the block does not, such as a 4-D input)."""
-        floats = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-        layouts = {"query": "(batch, Lq, d_model)", "key": "(batch, Lk, d_model)", "value": "(batch, Lk, d_model)"}
-        for name, x in (("query", q), ("key", k), ("value", v)):
-            if not isinstance(x, Tensor):
-                raise TypeError(f"fastmha: {name} must be a Tensor, got {type(x).__name__}")
-            if x.layout != torch.strided:
-                raise RuntimeError(f"fastmha: {name} must be a strided (dense) tensor, got layout {x.layout}")
-            if name == "query" and x.dtype not in floats:
-                raise RuntimeError("fastmha: query must be a floating-point tensor (float32, float64, float16 or "
-                                   f"bfloat16), got {x.dtype}")
-            if name != "query" and (x.dtype != q.dtype or x.device != q.device):
-                raise RuntimeError(f"fastmha: {name} must have the query's dtype and device {q.dtype}, {q.device}, "
-                                   f"got {x.dtype}, {x.device}")
-            if x.dim() != 3:
-                raise RuntimeError(f"fastmha: {name} must be 3-D {layouts[name]}, got shape {list(x.shape)}")
-            if x.shape[2] != self.d_model:
-                raise RuntimeError(f"fastmha: {name} must have d_model = {self.d_model} features (last dim), got "
-                                   f"shape {list(x.shape)}")
-        if not q.shape[0] == k.shape[0] == v.shape[0]:
-            raise RuntimeError("fastmha: query, key and value must have the same batch size (dim 0), got query "
-                               f"{list(q.shape)}, key {list(k.shape)}, value {list(v.shape)}")
-        if k.shape[1] != v.shape[1]:
-            raise RuntimeError(f"fastmha: key and value must have the same length (dim 1), got key {list(k.shape)}, "
-                               f"value {list(v.shape)}")
 
     def _attend_through_modules(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], p: float
@@ -229,8 +200,10 @@ class MultiHeadAttentionBlock(nn.Module):
         self, x: Tensor, key_cache: Optional[Tensor], value_cache: Optional[Tensor], mask: Optional[Tensor], p: float
     ) -> Tuple[Tensor, Tuple[Tensor, Tensor]]:
         """``forward_step`` with the projections computed by calling the modules, as ``forward`` does for them."""
+        queries = _split_heads(self.w_q(x), self.h)  # the modules in forward's order (q, k, v)
         keys = _split_heads(self.w_k(x), self.h)
         values = _split_heads(self.w_v(x), self.h)
+        _module_checks.check_step_inputs(keys, key_cache, value_cache, mask)
         if key_cache is not None and value_cache is not None:
             keys, values = torch.cat([key_cache, keys], 2), torch.cat([value_cache, values], 2)
         else:
@@ -241,7 +214,7 @@ class MultiHeadAttentionBlock(nn.Module):
         if mask is not None:
             visible = (mask != 0) & visible
         heads_out, _ = torch.ops.fastmha.attention(
-            _split_heads(self.w_q(x), self.h), keys, values, visible, p if p < 1.0 else 0.0, False, False
+            queries, keys, values, visible, p if p < 1.0 else 0.0, False, False
         )
         if p >= 1.0:
             heads_out = heads_out * 0.0
@@ -319,11 +292,8 @@ class MultiHeadAttentionBlock(nn.Module):
         if cache is not None:
             key_cache, value_cache = cache
         p = _checked_dropout(self.dropout.p) if self.dropout.training else _checked_dropout(self.dropout.p) * 0.0
-        if torch.jit.is_scripting():
-            if self._has_bias():
-                return self._step_through_modules(x, key_cache, value_cache, mask, p)
-        elif not self._projections_are_plain():
-            self._check_inputs(x, x, x)
+        if self._calls_modules if torch.jit.is_scripting() else not self._projections_are_plain():
+            _module_checks.check_block_inputs(x, x, x, self.d_model)
             return self._step_through_modules(x, key_cache, value_cache, mask, p)
         output, keys, values = torch.ops.fastmha.multi_head_attention_step(
             x, self.w_q.weight, self.w_k.weight, self.w_v.weight, self.w_o.weight, self.h,
@@ -338,6 +308,7 @@ class MultiHeadAttentionBlock(nn.Module):
         super().__setstate__(state)
         self.__dict__.setdefault("reuse_projections", True)
         self.__dict__.setdefault("_projection_memo", ProjectionMemo())
+        self.__dict__.setdefault("_calls_modules", False)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, h={self.h}, d_k={self.d_k}, need_weights={self.need_weights}, "

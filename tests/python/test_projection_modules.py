@@ -3,11 +3,13 @@ nn.Linear modules: a hook on them (forward, backward or global), a parametrized 
 in their place. Checked against the oracle block given the same modules and hooks; plain projections still take
 the block's op."""
 
+from typing import Tuple
+
 import pytest
 import torch
 from conftest import OpCounter
 from oracle import OracleBlock
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.utils import parametrizations
 
 import fastmha
@@ -209,3 +211,48 @@ def test_scripted_block_keeps_a_projections_bias():
         torch.testing.assert_close(scripted(x, x, x, mask), block(x, x, x, mask))
         step, _ = scripted.forward_step(x[:, :1])
         torch.testing.assert_close(step, block.forward_step(x[:, :1])[0])
+
+
+STEP_BAD = {
+    "integer cache": (dict(cache=(torch.ones(2, 2, 4, 8, dtype=torch.long),) * 2), "key_cache must have the projected keys' dtype Double"),
+    "cache shape": (dict(cache=(torch.randn(2, 2, 4, 7, dtype=torch.float64),) * 2), r"must have shape \(batch, heads, T_past, d_k\)"),
+    "complex mask": (dict(mask=torch.ones(7, dtype=torch.complex64)), "mask must be a real or bool tensor, got ComplexFloat"),
+    "mask length": (dict(mask=torch.ones(2, 1, 1, 5)), r"mask of shape \[2, 1, 1, 5\] does not broadcast to the scores \(batch, h, Lq, Lk\) \[2, 2, 3, 7\]"),
+}
+
+
+@pytest.mark.parametrize("case", STEP_BAD)
+def test_hooked_forward_step_checks_its_caches_and_mask_as_the_op_does(case):
+    changes, message = STEP_BAD[case]
+    x = torch.randn(2, 3, 16, dtype=torch.float64)
+    cache = changes.get("cache", (torch.randn(2, 2, 4, 8, dtype=torch.float64),) * 2)
+    for hooked in (False, True):
+        block, _ = pair()
+        if hooked:
+            block.w_k.register_forward_hook(lambda module, args, output: None)
+        with pytest.raises(RuntimeError, match=message):
+            block.forward_step(x, cache, changes.get("mask"))
+
+
+def double_output(module: nn.Module, args: Tuple[Tensor], output: Tensor) -> Tensor:
+    return output * 2.0
+
+
+def test_scripted_block_runs_the_hooks_it_was_scripted_with():
+    # TorchScript runs scriptable hooks: a block hooked when scripted calls its modules in the scripted code too.
+    block, _ = pair()
+    block.w_q.register_forward_hook(double_output)
+    block.eval()
+    scripted = torch.jit.script(block)
+    x, mask = inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(scripted(x, x, x, mask), block(x, x, x, mask))
+        with pytest.raises(Exception, match="query must be 3-D"):  # torch.jit.Error carries the message
+            scripted(x[0], x, x, mask)
+
+
+def test_static_attention_checks_the_dropout_probability_in_eval_too():
+    dropout = nn.Dropout(0.1).eval()
+    dropout.p = 1.5
+    with pytest.raises(ValueError, match="dropout probability has to be between 0 and 1"):
+        fastmha.MultiHeadAttentionBlock.attention(*(torch.randn(2, 2, 5, 8) for _ in range(3)), None, dropout)

@@ -1,0 +1,97 @@
+"""Input checks, with the ops' messages, for the block's path that calls its projection modules (hooks, biases,
+wrappers): a module may accept what the block's op does not (a 4-D input, a cache of another dtype). Scriptable,
+so that a scripted block checks the same."""
+
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The dtype as the ops name it (TorchScript's str() of a dtype is a number)."""
+    for candidate, name in ((torch.float32, "Float"), (torch.float64, "Double"), (torch.float16, "Half"),
+                            (torch.bfloat16, "BFloat16"), (torch.int64, "Long"), (torch.int32, "Int"),
+                            (torch.bool, "Bool"), (torch.complex64, "ComplexFloat")):
+        if dtype == candidate:
+            return name
+    return str(dtype)
+
+
+def shape(x: Tensor) -> str:
+    sizes: List[int] = list(x.shape)
+    return str(sizes)
+
+
+def check_dense(x: Tensor, name: str) -> None:
+    if x.layout != torch.strided or (not torch.jit.is_scripting() and x.is_nested):
+        raise RuntimeError("fastmha: " + name + " must be a dense (strided) tensor")
+
+
+def check_block_inputs(q: Tensor, k: Tensor, v: Tensor, d_model: int) -> None:
+    """q (batch, Lq, d_model), k and v (batch, Lk, d_model), floating point, of one dtype and device."""
+    if q.dtype != torch.float32 and q.dtype != torch.float64 and q.dtype != torch.float16 and q.dtype != torch.bfloat16:
+        raise RuntimeError("fastmha: query must be a floating-point tensor (float32, float64, float16 or bfloat16), "
+                           "got " + dtype_name(q.dtype))
+    layouts = ["(batch, Lq, d_model)", "(batch, Lk, d_model)", "(batch, Lk, d_model)"]
+    names = ["query", "key", "value"]
+    tensors = [q, k, v]
+    for i in range(3):
+        x, name = tensors[i], names[i]
+        check_dense(x, name)
+        if x.dtype != q.dtype:
+            raise RuntimeError("fastmha: " + name + " must have the query's dtype " + dtype_name(q.dtype) + ", got "
+                               + dtype_name(x.dtype))
+        if x.device != q.device:
+            raise RuntimeError("fastmha: " + name + " must be on the query's device " + str(q.device) + ", got "
+                               + str(x.device))
+        if x.dim() != 3:
+            raise RuntimeError("fastmha: " + name + " must be 3-D " + layouts[i] + ", got shape " + shape(x))
+        if x.shape[2] != d_model:
+            raise RuntimeError("fastmha: " + name + " must have d_model = " + str(d_model)
+                               + " features (last dim), got shape " + shape(x))
+    if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
+        raise RuntimeError("fastmha: query, key and value must have the same batch size (dim 0), got query "
+                           + shape(q) + ", key " + shape(k) + ", value " + shape(v))
+    if k.shape[1] != v.shape[1]:
+        raise RuntimeError("fastmha: key and value must have the same length (dim 1), got key " + shape(k)
+                           + ", value " + shape(v))
+
+
+def check_step_inputs(keys: Tensor, key_cache: Optional[Tensor], value_cache: Optional[Tensor],
+                      mask: Optional[Tensor]) -> None:
+    """A decoding step's caches against its projected keys (batch, h, T_new, d_k), and the caller's mask as given
+    against the scores (batch, h, T_new, T_past + T_new)."""
+    if (key_cache is None) != (value_cache is None):
+        raise RuntimeError("fastmha: key_cache and value_cache must be given together")
+    len_past = 0
+    if key_cache is not None and value_cache is not None:
+        caches = [key_cache, value_cache]
+        names = ["key_cache", "value_cache"]
+        for i in range(2):
+            check_dense(caches[i], names[i])
+            if caches[i].dtype != keys.dtype or caches[i].device != keys.device:
+                raise RuntimeError("fastmha: " + names[i] + " must have the projected keys' dtype "
+                                   + dtype_name(keys.dtype) + " and device " + str(keys.device) + ", got "
+                                   + dtype_name(caches[i].dtype) + " on " + str(caches[i].device))
+        if (key_cache.dim() != 4 or key_cache.shape[0] != keys.shape[0] or key_cache.shape[1] != keys.shape[1]
+                or key_cache.shape[3] != keys.shape[3] or list(value_cache.shape) != list(key_cache.shape)):
+            raise RuntimeError("fastmha: key_cache and value_cache must have shape (batch, heads, T_past, d_k) = ("
+                               + str(keys.shape[0]) + ", " + str(keys.shape[1]) + ", T_past, " + str(keys.shape[3])
+                               + "), got key_cache " + shape(key_cache) + " and value_cache " + shape(value_cache))
+        len_past = key_cache.shape[2]
+    if mask is not None:
+        check_dense(mask, "mask")
+        if mask.is_complex():
+            raise RuntimeError("fastmha: mask must be a real or bool tensor, got " + dtype_name(mask.dtype))
+        if mask.device != keys.device:
+            raise RuntimeError("fastmha: mask must be on the query's device " + str(keys.device) + ", got "
+                               + str(mask.device))
+        scores = [keys.shape[0], keys.shape[1], keys.shape[2], len_past + keys.shape[2]]
+        fits = mask.dim() <= 4
+        for i in range(mask.dim()):
+            if fits and mask.shape[i] != 1 and mask.shape[i] != scores[4 - mask.dim() + i]:
+                fits = False
+        if not fits:
+            raise RuntimeError("fastmha: mask of shape " + shape(mask) + " does not broadcast to the scores "
+                               "(batch, h, Lq, Lk) " + str(scores))
