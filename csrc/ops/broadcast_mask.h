@@ -8,9 +8,6 @@
 
 namespace fastmha {
 
-// `mask` as bool (nonzero, NaN too, attends), converting only its distinct elements: dimensions that an expand()
-// gave zero strides are converted at size 1 and expanded again, so an expanded mask stays a view, not a copy at
-// the expanded size.
 // `t` with the dimensions an expand() gave zero strides narrowed to size 1: its distinct elements, which broadcast
 // back to it. `t` itself under symbolic sizes (a graph being traced).
 inline at::Tensor distinct_elements(const at::Tensor& t) {
@@ -26,6 +23,8 @@ inline at::Tensor distinct_elements(const at::Tensor& t) {
   return distinct;
 }
 
+// `mask` as bool (nonzero, NaN too, attends), converting only its distinct elements: an expanded mask stays a
+// view, not a copy at the expanded size.
 inline at::Tensor to_bool_view(const at::Tensor& mask) {
   return distinct_elements(mask).to(at::kBool).expand_symint(mask.sym_sizes());
 }

@@ -38,11 +38,12 @@ def _merge_heads(x: Tensor) -> Tensor:
     return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], x.shape[1] * x.shape[3])
 
 
-def _checked_dropout(p: float) -> float:
-    """An nn.Dropout's probability, which may have been set after construction: as nn.Dropout's own check."""
+def _dropout_probability(p: float, training: bool) -> float:
+    """The probability an nn.Dropout applies: p in training, 0 otherwise. p may have been set after construction:
+    checked in either mode, as F.dropout does."""
     if not (p >= 0.0 and p <= 1.0):  # NaN fails both
         raise ValueError("fastmha: dropout probability has to be between 0 and 1, but got " + str(p))
-    return p
+    return p if training else 0.0
 
 
 def _matmul_precision() -> Tuple[str, ...]:
@@ -129,9 +130,7 @@ class MultiHeadAttentionBlock(nn.Module):
 
         ``dropout`` is an ``nn.Dropout`` (applied only while it is in training mode) or None.
         """
-        p = 0.0
-        if dropout is not None:
-            p = _checked_dropout(dropout.p) if dropout.training else _checked_dropout(dropout.p) * 0.0
+        p = 0.0 if dropout is None else _dropout_probability(dropout.p, dropout.training)
         output, weights = torch.ops.fastmha.attention(query, key, value, mask, p if p < 1.0 else 0.0, True)
         if p >= 1.0:  # nn.Dropout(1.0) drops every weight
             return output * 0.0, weights * 0.0
@@ -144,24 +143,22 @@ class MultiHeadAttentionBlock(nn.Module):
         mask) the score is -1e9 before the softmax. Returns (batch, Lq, d_model) and keeps the post-dropout
         weights (batch, h, Lq, Lk) in ``attention_scores`` when ``need_weights`` is True.
         """
-        p = _checked_dropout(self.dropout.p) if self.dropout.training else _checked_dropout(self.dropout.p) * 0.0
-        result: Optional[Tuple[Tensor, Tensor]] = None
-        through_modules = self._calls_modules if torch.jit.is_scripting() else not self._projections_are_plain()
-        if through_modules:
+        p = _dropout_probability(self.dropout.p, self.dropout.training)
+        if self._calls_modules if torch.jit.is_scripting() else not self._projections_are_plain():
             _module_checks.check_block_inputs(q, k, v, self.d_model)
-        elif not torch.jit.is_scripting():
-            result = self._forward_reusing_projections(q, k, v, mask, p if p < 1.0 else 0.0)
-        if through_modules:
-            result = self._attend_through_modules(q, k, v, mask, p)
-        elif result is None:
-            result = torch.ops.fastmha.multi_head_attention(
-                q, k, v, self.w_q.weight, self.w_k.weight, self.w_v.weight, self.w_o.weight,
-                self.h, mask, p if p < 1.0 else 0.0, self.need_weights, self.is_causal,
-            )
-        assert result is not None
-        output, weights = result
-        if p >= 1.0 and not through_modules:  # nn.Dropout(1.0) drops every weight: zero weights, zero output
-            output, weights = output * 0.0, weights * 0.0
+            output, weights = self._attend_through_modules(q, k, v, mask, p)  # drops the weights itself at p >= 1
+        else:
+            result: Optional[Tuple[Tensor, Tensor]] = None
+            if not torch.jit.is_scripting():
+                result = self._forward_reusing_projections(q, k, v, mask, p if p < 1.0 else 0.0)
+            if result is None:
+                result = torch.ops.fastmha.multi_head_attention(
+                    q, k, v, self.w_q.weight, self.w_k.weight, self.w_v.weight, self.w_o.weight,
+                    self.h, mask, p if p < 1.0 else 0.0, self.need_weights, self.is_causal,
+                )
+            output, weights = result
+            if p >= 1.0:  # nn.Dropout(1.0) drops every weight: zero weights, zero output
+                output, weights = output * 0.0, weights * 0.0
         self.attention_scores = weights if self.need_weights else None
         return output
 
@@ -257,12 +254,10 @@ class MultiHeadAttentionBlock(nn.Module):
                 w_o.shape != w_k.shape):
             return None
 
-        def split_heads(x: Tensor) -> Tensor:
-            return x.view(x.shape[0], x.shape[1], self.h, self.d_k).transpose(1, 2)
-
         generator_state = torch.random.get_rng_state() if p > 0 and mask is not None else None
         heads_out, attention_weights, logsumexp, _ = torch.ops.fastmha._attention_forward(
-            split_heads(_projection(q, w_q)), split_heads(projections[0]), split_heads(projections[1]), mask, p,
+            _split_heads(_projection(q, w_q), self.h), _split_heads(projections[0], self.h),
+            _split_heads(projections[1], self.h), mask, p,
             self.need_weights, self.is_causal,
         )
         # Kept projections may leave out keys that no query sees: when these queries give such a key some
@@ -271,8 +266,7 @@ class MultiHeadAttentionBlock(nn.Module):
             if generator_state is not None:  # the block's op draws the same dropout
                 torch.random.set_rng_state(generator_state)
             return None
-        context = heads_out.transpose(1, 2).reshape(q.shape[0], q.shape[1], self.d_model).contiguous()
-        return _projection(context, w_o), attention_weights
+        return _projection(_merge_heads(heads_out).contiguous(), w_o), attention_weights
 
     @torch.jit.export
     def forward_step(
@@ -291,7 +285,7 @@ class MultiHeadAttentionBlock(nn.Module):
         value_cache: Optional[Tensor] = None
         if cache is not None:
             key_cache, value_cache = cache
-        p = _checked_dropout(self.dropout.p) if self.dropout.training else _checked_dropout(self.dropout.p) * 0.0
+        p = _dropout_probability(self.dropout.p, self.dropout.training)
         if self._calls_modules if torch.jit.is_scripting() else not self._projections_are_plain():
             _module_checks.check_block_inputs(x, x, x, self.d_model)
             return self._step_through_modules(x, key_cache, value_cache, mask, p)
