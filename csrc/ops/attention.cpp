@@ -6,6 +6,7 @@
 #include <fastmha/ops.h>
 
 #include "ops/attention_ops.h"
+#include "ops/checks.h"
 
 namespace fastmha {
 
@@ -48,6 +49,8 @@ namespace {
 std::tuple<at::Tensor, at::Tensor> attention_composite(const at::Tensor& query, const at::Tensor& key,
                                                        const at::Tensor& value, const std::optional<at::Tensor>& mask,
                                                        double dropout_p, bool need_weights, bool is_causal) {
+  // Sparse or nested inputs reach this kernel in inference mode; the forward has no kernel for them.
+  check_dense_attention_args(query, key, value, mask);
   auto result = detail::attention_forward(query, key, value, mask, dropout_p, need_weights, is_causal);
   return {std::get<0>(result), std::get<1>(result)};
 }
@@ -73,5 +76,9 @@ TORCH_LIBRARY(fastmha, m) {
 }
 
 TORCH_LIBRARY_IMPL(fastmha, CompositeExplicitAutograd, m) { m.impl("attention", &attention_composite); }
+// Nested tensors (strided layout) have no kernel of their own: in inference mode they reach the composite one,
+// which names them. Jagged ones go to their own Python handler first.
+TORCH_LIBRARY_IMPL(fastmha, NestedTensorCPU, m) { m.impl("attention", &attention_composite); }
+TORCH_LIBRARY_IMPL(fastmha, NestedTensorCUDA, m) { m.impl("attention", &attention_composite); }
 
 }  // namespace fastmha

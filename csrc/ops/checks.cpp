@@ -23,6 +23,24 @@ void check_dense(const std::optional<at::Tensor>& t, const char* name) {
   }
 }
 
+void check_dense_attention_args(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                const std::optional<at::Tensor>& mask) {
+  check_dense(query, "query");
+  check_dense(key, "key");
+  check_dense(value, "value");
+  check_dense(mask, "mask");
+}
+
+void check_dense_block_args(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                            const at::Tensor& w_q, const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o,
+                            const std::optional<at::Tensor>& mask) {
+  check_dense_attention_args(query, key, value, mask);
+  check_dense(w_q, "w_q");
+  check_dense(w_k, "w_k");
+  check_dense(w_v, "w_v");
+  check_dense(w_o, "w_o");
+}
+
 namespace {
 
 bool is_supported_float(at::ScalarType t) {

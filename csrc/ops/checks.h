@@ -13,6 +13,15 @@ namespace fastmha {
 // ask it first, since a tensor of another layout would otherwise meet the dispatcher's "could not run" error.
 void check_dense(const at::Tensor& t, const char* name);
 void check_dense(const std::optional<at::Tensor>& t, const char* name);
+// check_dense of the attention core's query, key, value and mask: asked by the kernels that run before any
+// backend's (autograd, and the composite ones that inference mode reaches; those are also registered for nested
+// tensors, which have no backend kernel to name them).
+void check_dense_attention_args(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                const std::optional<at::Tensor>& mask);
+// The same for the block op's tensors.
+void check_dense_block_args(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                            const at::Tensor& w_q, const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o,
+                            const std::optional<at::Tensor>& mask);
 
 // query (batch, h, Lq, d_k), key (batch, h, Lk, d_k), value (batch, h, Lk, d_v).
 void check_attention_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,

@@ -142,6 +142,7 @@ std::tuple<at::Tensor, at::Tensor> multi_head_attention_composite(const at::Tens
                                                                   const at::Tensor& w_o, int64_t num_heads,
                                                                   const std::optional<at::Tensor>& mask,
                                                                   double dropout_p, bool need_weights, bool is_causal) {
+  check_dense_block_args(query, key, value, w_q, w_k, w_v, w_o, mask);
   auto result = detail::multi_head_attention_forward(query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p,
                                                      need_weights, is_causal);
   return {std::get<0>(result), std::get<1>(result)};
@@ -179,5 +180,10 @@ TORCH_LIBRARY_IMPL(fastmha, CompositeExplicitAutograd, m) {
   m.impl("_multi_head_attention_forward", &multi_head_attention_forward_kernel);
   m.impl("_multi_head_attention_backward", &multi_head_attention_backward_kernel);
 }
+
+// Nested tensors (strided layout) have no kernel of their own: in inference mode they reach the composite one,
+// which names them. Jagged ones go to their own Python handler first.
+TORCH_LIBRARY_IMPL(fastmha, NestedTensorCPU, m) { m.impl("multi_head_attention", &multi_head_attention_composite); }
+TORCH_LIBRARY_IMPL(fastmha, NestedTensorCUDA, m) { m.impl("multi_head_attention", &multi_head_attention_composite); }
 
 }  // namespace fastmha

@@ -1,6 +1,7 @@
 """fastmha.MultiHeadAttentionBlock: a drop-in for the textbook MultiHeadAttentionBlock(d_model, h, dropout)."""
 
 import math
+import numbers
 from typing import Optional, Tuple
 
 import torch
@@ -36,6 +37,13 @@ def _split_heads(x: Tensor, h: int) -> Tensor:
 def _merge_heads(x: Tensor) -> Tensor:
     """(batch, h, L, d_k) -> (batch, L, h * d_k)."""
     return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], x.shape[1] * x.shape[3])
+
+
+def _positive_int(value: object, name: str) -> int:
+    """``value`` as an int when it is a positive integer (a numpy one too, not a bool), else ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(f"fastmha: {name} must be a positive int, got {value!r}")
+    return int(value)
 
 
 def _dropout_probability(p: float, training: bool) -> float:
@@ -93,10 +101,7 @@ class MultiHeadAttentionBlock(nn.Module):
         are not positive ints, ``d_model % h != 0``, or a dropout outside [0, 1].
         """
         super().__init__()
-        if not isinstance(d_model, int) or d_model <= 0:
-            raise ValueError(f"fastmha: d_model must be a positive int, got {d_model!r}")
-        if not isinstance(h, int) or h <= 0:
-            raise ValueError(f"fastmha: h must be a positive int, got {h!r}")
+        d_model, h = _positive_int(d_model, "d_model"), _positive_int(h, "h")
         if d_model % h != 0:
             raise ValueError(f"fastmha: d_model must be divisible by h, got d_model={d_model} and h={h}")
         if not 0.0 <= float(dropout) <= 1.0:

@@ -29,6 +29,8 @@ def core_call(q=None, k=None, v=None, mask=None, p=0.0):
     (-8, 2, 0.0, r"d_model must be a positive int, got -8"),
     (8, 0, 0.0, r"h must be a positive int, got 0"),
     (8, -2, 0.0, r"h must be a positive int, got -2"),
+    (8, True, 0.0, r"h must be a positive int, got True"),
+    (8.0, 2, 0.0, r"d_model must be a positive int, got 8.0"),
     (8, 2, 1.5, r"dropout must be in \[0, 1\], got 1.5"),
     (8, 2, -0.1, r"dropout must be in \[0, 1\], got -0.1"),
 ])
@@ -159,6 +161,36 @@ def test_nested_inputs_are_named():
     with pytest.raises(RuntimeError, match=r"mask must be a dense \(strided\) tensor, got a nested tensor"):
         torch.ops.fastmha.attention(q, k, k, torch.nested.nested_tensor([torch.ones(3, 5), torch.ones(3, 5)]), 0.0,
                                     True)
+
+
+# Inference mode skips the autograd kernels, which ask the layout first elsewhere: each op must still name it.
+LAYOUT_CASES = {f"{op} {name}": (call, *cases[name]) for op, call, cases in [
+    ("block", block_call, BLOCK_CASES), ("core", core_call, CORE_CASES), ("step", step_call, STEP_CASES)]
+    for name in cases if name.startswith("sparse")}
+
+
+@pytest.mark.parametrize("call,kwargs,match", list(LAYOUT_CASES.values()), ids=list(LAYOUT_CASES))
+def test_layout_errors_in_inference_mode(call, kwargs, match):
+    with torch.inference_mode(), pytest.raises(RuntimeError, match=match):
+        call(**kwargs)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+def test_nested_inputs_in_inference_mode_are_named():
+    with torch.inference_mode():
+        nested = torch.nested.nested_tensor([torch.randn(2, 3, 4), torch.randn(2, 5, 4)])
+        k = torch.randn(2, 2, 5, 4)
+        with pytest.raises(RuntimeError, match=r"query must be a dense \(strided\) tensor, got a nested tensor"):
+            torch.ops.fastmha.attention(nested, k, k, None, 0.0, True)
+        x, ws = torch.randn(2, 3, D), [torch.randn(D, D) for _ in range(4)]
+        nested_mask = torch.nested.nested_tensor([torch.ones(3, 3), torch.ones(3, 3)])
+        with pytest.raises(RuntimeError, match=r"mask must be a dense \(strided\) tensor, got a nested tensor"):
+            torch.ops.fastmha.multi_head_attention(x, x, x, *ws, H, nested_mask)
+        nested_x = torch.nested.nested_tensor([torch.randn(3, D), torch.randn(5, D)])
+        with pytest.raises(RuntimeError, match=r"query must be a dense \(strided\) tensor, got a nested tensor"):
+            torch.ops.fastmha.multi_head_attention(nested_x, x, x, *ws, H)
+        with pytest.raises(RuntimeError, match=r"x must be a dense \(strided\) tensor, got a nested tensor"):
+            torch.ops.fastmha.multi_head_attention_step(nested_x, *ws, H, None, None, None, 0.0)
 
 
 def backward_call(**changes):

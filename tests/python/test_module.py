@@ -30,6 +30,15 @@ def test_constructor_attributes_and_parameters():
     assert block.need_weights is True and block.attention_scores is None
 
 
+def test_constructor_takes_numpy_integer_sizes():
+    # Sizes read from a config array are numpy integers, which nn.Linear takes too.
+    np = pytest.importorskip("numpy")
+    block = fastmha.MultiHeadAttentionBlock(np.int64(D_MODEL), np.int32(HEADS), 0.0)
+    assert (type(block.d_model), type(block.h), type(block.d_k)) == (int, int, int)
+    assert (block.d_model, block.h, block.d_k) == (D_MODEL, HEADS, D_MODEL // HEADS)
+    torch.jit.script(block)  # int attributes, as TorchScript needs
+
+
 def test_state_dict_loads_both_ways_strict():
     block = fastmha.MultiHeadAttentionBlock(D_MODEL, HEADS, 0.1)
     oracle = OracleBlock(D_MODEL, HEADS)

@@ -55,10 +55,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
 std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& query, const at::Tensor& key,
                                                       const at::Tensor& value, const std::optional<at::Tensor>& mask,
                                                       double dropout_p, bool need_weights, bool is_causal) {
-  check_dense(query, "query");
-  check_dense(key, "key");
-  check_dense(value, "value");
-  check_dense(mask, "mask");
+  check_dense_attention_args(query, key, value, mask);
   auto outputs = AttentionFunction::apply(query, key, value, mask, dropout_p, need_weights, is_causal);
   return {outputs[0], outputs[1]};
 }

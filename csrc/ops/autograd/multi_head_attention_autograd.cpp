@@ -70,12 +70,7 @@ std::tuple<at::Tensor, at::Tensor> multi_head_attention_autograd(const at::Tenso
                                                                  const at::Tensor& w_o, int64_t num_heads,
                                                                  const std::optional<at::Tensor>& mask,
                                                                  double dropout_p, bool need_weights, bool is_causal) {
-  const std::pair<const at::Tensor*, const char*> tensors[] = {
-      {&query, "query"}, {&key, "key"}, {&value, "value"}, {&w_q, "w_q"}, {&w_k, "w_k"}, {&w_v, "w_v"}, {&w_o, "w_o"}};
-  for (const auto& [t, name] : tensors) {
-    check_dense(*t, name);
-  }
-  check_dense(mask, "mask");
+  check_dense_block_args(query, key, value, w_q, w_k, w_v, w_o, mask);
   auto outputs = MultiHeadAttentionFunction::apply(query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p,
                                                    need_weights, is_causal);
   return {outputs[0], outputs[1]};
