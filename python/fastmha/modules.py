@@ -7,6 +7,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules import module as module_hooks
 
 from . import _C
 from . import _module_checks
@@ -37,6 +38,19 @@ def _split_heads(x: Tensor, h: int) -> Tensor:
 def _merge_heads(x: Tensor) -> Tensor:
     """(batch, h, L, d_k) -> (batch, L, h * d_k)."""
     return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], x.shape[1] * x.shape[3])
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    """Whether calling ``module`` would run a hook: its own, or a global one."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or module_hooks._global_forward_hooks
+                or module_hooks._global_forward_pre_hooks or module_hooks._global_backward_hooks
+                or module_hooks._global_backward_pre_hooks)
+
+
+def _is_plain_dropout(module: nn.Module) -> bool:
+    """An ``nn.Dropout``, or an ``nn.Identity`` (no dropout), that no hook watches: the op applies it itself."""
+    return type(module) in (nn.Dropout, nn.Identity) and not _has_hooks(module)
 
 
 def _positive_int(value: object, name: str) -> int:
@@ -120,22 +134,43 @@ class MultiHeadAttentionBlock(nn.Module):
         self.attention_scores = None
         self._projection_memo = ProjectionMemo()
         self._calls_modules = False  # what a scripted block does: decided when it is scripted
+        self._calls_dropout = False
 
     def __prepare_scriptable__(self) -> "MultiHeadAttentionBlock":
-        # TorchScript cannot look at hooks or module types at run time: a block whose projections are not plain
-        # when it is scripted calls them in the scripted code (which runs their scriptable hooks).
-        self._calls_modules = not self._projections_are_plain()
+        # TorchScript cannot look at hooks or module types at run time: a block whose projections or dropout are
+        # not plain when it is scripted calls them in the scripted code (which runs their scriptable hooks).
+        self._calls_modules = not self._modules_are_plain()
+        self._calls_dropout = not self._dropout_is_plain()
         return self
+
+    def _dropout_p(self) -> float:
+        """The probability the block's op applies as dropout: the nn.Dropout's (checked; 0 in eval), 0 for an
+        nn.Identity or None in its place, or 0 where the block calls its dropout module on the weights instead
+        (another module in its place, or a hook)."""
+        if self._calls_dropout if torch.jit.is_scripting() else not self._dropout_is_plain():
+            return 0.0
+        if self.dropout is None:
+            return 0.0
+        if hasattr(self.dropout, "p"):  # decided when scripting: a module in its place may have no p
+            return _dropout_probability(float(self.dropout.p), self.dropout.training)
+        return 0.0
 
     @staticmethod
     def attention(
-        query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], dropout: Optional[nn.Dropout]
+        query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], dropout: Optional[nn.Module]
     ) -> Tuple[Tensor, Tensor]:
         """The textbook static method: inputs (batch, h, seq, d_k); returns (weights @ value, weights).
 
-        ``dropout`` is an ``nn.Dropout`` (applied only while it is in training mode) or None.
+        ``dropout`` is an ``nn.Dropout`` (applied only while it is in training mode), None, or another module,
+        which is called on the weights as the textbook method does.
         """
-        p = 0.0 if dropout is None else _dropout_probability(dropout.p, dropout.training)
+        if dropout is not None and not _is_plain_dropout(dropout):
+            _, weights = torch.ops.fastmha.attention(query, key, value, mask, 0.0, True)
+            weights = dropout(weights)
+            return torch.matmul(weights, value), weights
+        p = 0.0
+        if isinstance(dropout, nn.Dropout):
+            p = _dropout_probability(float(dropout.p), dropout.training)
         output, weights = torch.ops.fastmha.attention(query, key, value, mask, p if p < 1.0 else 0.0, True)
         if p >= 1.0:  # nn.Dropout(1.0) drops every weight
             return output * 0.0, weights * 0.0
@@ -148,8 +183,8 @@ class MultiHeadAttentionBlock(nn.Module):
         mask) the score is -1e9 before the softmax. Returns (batch, Lq, d_model) and keeps the post-dropout
         weights (batch, h, Lq, Lk) in ``attention_scores`` when ``need_weights`` is True.
         """
-        p = _dropout_probability(self.dropout.p, self.dropout.training)
-        if self._calls_modules if torch.jit.is_scripting() else not self._projections_are_plain():
+        p = self._dropout_p()
+        if self._calls_modules if torch.jit.is_scripting() else not self._modules_are_plain():
             _module_checks.check_block_inputs(q, k, v, self.d_model)
             output, weights = self._attend_through_modules(q, k, v, mask, p)  # drops the weights itself at p >= 1
         else:
@@ -168,21 +203,21 @@ class MultiHeadAttentionBlock(nn.Module):
         return output
 
     @torch.jit.unused
-    def _projections_are_plain(self) -> bool:
-        """Whether the four projections are bias-free ``nn.Linear`` modules that no hook watches, so that the
-        block's op may read their weights without calling them. A hook (forward, backward, or global), another
-        module in their place (a wrapper, a parametrized or biased Linear) makes ``forward`` call them instead,
-        as the textbook block does."""
-        from torch.nn.modules import module as module_hooks
+    def _modules_are_plain(self) -> bool:
+        """Whether the four projections are bias-free ``nn.Linear`` modules and the dropout an ``nn.Dropout``, and
+        no hook watches them, so that the block's op may read their weights and probability without calling them.
+        A hook (forward, backward, or global), another module in their place (a wrapper, a parametrized or biased
+        Linear, an ``nn.Identity`` for the dropout) makes ``forward`` call them instead, as the textbook block
+        does."""
+        return self._dropout_is_plain() and all(
+            type(linear) is nn.Linear and linear.bias is None and not _has_hooks(linear)
+            for linear in (self.w_q, self.w_k, self.w_v, self.w_o))
 
-        if (module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks
-                or module_hooks._global_backward_hooks or module_hooks._global_backward_pre_hooks):
-            return False
-        for linear in (self.w_q, self.w_k, self.w_v, self.w_o):
-            if type(linear) is not nn.Linear or linear.bias is not None or linear._forward_hooks or (
-                    linear._forward_pre_hooks or linear._backward_hooks or linear._backward_pre_hooks):
-                return False
-        return True
+    @torch.jit.unused
+    def _dropout_is_plain(self) -> bool:
+        """Whether the block's op may apply ``self.dropout`` itself: an ``nn.Dropout``, or an ``nn.Identity`` or None
+        (no dropout) in its place, that no hook watches."""
+        return self.dropout is None or _is_plain_dropout(self.dropout)
 
     def _attend_through_modules(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], p: float
@@ -190,13 +225,29 @@ class MultiHeadAttentionBlock(nn.Module):
         """``forward``'s result with the projections computed by calling the four modules (so their hooks run),
         around the same attention core as the block's op (which checks the mask and the projected heads). With
         ``p`` >= 1 every weight is dropped before ``w_o``, as in the textbook block (w_o's bias stays)."""
-        heads_out, attention_weights = torch.ops.fastmha.attention(
+        heads_out, attention_weights = self._attention_core(
             _split_heads(self.w_q(q), self.h), _split_heads(self.w_k(k), self.h), _split_heads(self.w_v(v), self.h),
-            mask, p if p < 1.0 else 0.0, self.need_weights, self.is_causal,
+            mask, p, self.need_weights, self.is_causal,
+        )
+        return self.w_o(_merge_heads(heads_out)), attention_weights
+
+    def _attention_core(
+        self, queries: Tensor, keys: Tensor, values: Tensor, mask: Optional[Tensor], p: float, need_weights: bool,
+        is_causal: bool,
+    ) -> Tuple[Tensor, Tensor]:
+        """The attention core of the module paths: the op's, with dropout ``p`` (every weight dropped at p >= 1),
+        or, where the block calls its dropout module, the op's weights through that module, times the values."""
+        if self._calls_dropout if torch.jit.is_scripting() else not self._dropout_is_plain():
+            _, weights = torch.ops.fastmha.attention(queries, keys, values, mask, 0.0, True, is_causal)
+            if self.dropout is not None:  # never None here; TorchScript compiles the call only for a module
+                weights = self.dropout(weights)
+            return torch.matmul(weights, values), weights
+        heads_out, weights = torch.ops.fastmha.attention(
+            queries, keys, values, mask, p if p < 1.0 else 0.0, need_weights, is_causal
         )
         if p >= 1.0:
-            heads_out, attention_weights = heads_out * 0.0, attention_weights * 0.0
-        return self.w_o(_merge_heads(heads_out)), attention_weights
+            heads_out, weights = heads_out * 0.0, weights * 0.0
+        return heads_out, weights
 
     def _step_through_modules(
         self, x: Tensor, key_cache: Optional[Tensor], value_cache: Optional[Tensor], mask: Optional[Tensor], p: float
@@ -215,11 +266,7 @@ class MultiHeadAttentionBlock(nn.Module):
         visible = torch.ones(len_new, len_total, dtype=torch.bool, device=x.device).tril(len_total - len_new)
         if mask is not None:
             visible = (mask != 0) & visible
-        heads_out, _ = torch.ops.fastmha.attention(
-            queries, keys, values, visible, p if p < 1.0 else 0.0, False, False
-        )
-        if p >= 1.0:
-            heads_out = heads_out * 0.0
+        heads_out, _ = self._attention_core(queries, keys, values, visible, p, False, False)
         return self.w_o(_merge_heads(heads_out)), (keys, values)
 
     @torch.jit.unused
@@ -290,8 +337,8 @@ class MultiHeadAttentionBlock(nn.Module):
         value_cache: Optional[Tensor] = None
         if cache is not None:
             key_cache, value_cache = cache
-        p = _dropout_probability(self.dropout.p, self.dropout.training)
-        if self._calls_modules if torch.jit.is_scripting() else not self._projections_are_plain():
+        p = self._dropout_p()
+        if self._calls_modules if torch.jit.is_scripting() else not self._modules_are_plain():
             _module_checks.check_block_inputs(x, x, x, self.d_model)
             return self._step_through_modules(x, key_cache, value_cache, mask, p)
         output, keys, values = torch.ops.fastmha.multi_head_attention_step(
@@ -308,6 +355,7 @@ class MultiHeadAttentionBlock(nn.Module):
         self.__dict__.setdefault("reuse_projections", True)
         self.__dict__.setdefault("_projection_memo", ProjectionMemo())
         self.__dict__.setdefault("_calls_modules", False)
+        self.__dict__.setdefault("_calls_dropout", False)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, h={self.h}, d_k={self.d_k}, need_weights={self.need_weights}, "
