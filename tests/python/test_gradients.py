@@ -115,6 +115,33 @@ def test_loss_on_one_output_only(device, op, used):
         torch.testing.assert_close(g, r)
 
 
+@pytest.mark.parametrize("op", ["attention", "block"])
+def test_a_loss_on_the_weights_alone_leaves_the_values_side_without_gradient(device, op):
+    # The oracle's graph has no path from the weights to the value (nor to w_v, w_o): they get None, not zeros,
+    # which an optimizer's weight decay and momentum would act on.
+    if op == "attention":
+        inputs = [leaf(2, 3, 4, 5, device=device) for _ in range(3)]
+        torch.ops.fastmha.attention(*inputs, None, 0.0, True)[1].pow(2).sum().backward()
+        oracle_inputs = [t.detach().clone().requires_grad_() for t in inputs]
+        oracle_attention(*oracle_inputs)[1].pow(2).sum().backward()
+    else:
+        block = fastmha.MultiHeadAttentionBlock(8, 2, 0.0).to(device, torch.float64)
+        oracle = OracleBlock(8, 2).to(device, torch.float64)
+        oracle.load_state_dict(block.state_dict())
+        q, k, v = (leaf(2, 4, 8, device=device) for _ in range(3))
+        block(q, k, v, None)
+        block.attention_scores.pow(2).sum().backward()
+        inputs = [q, k, v] + [getattr(block, n).weight for n in ("w_q", "w_k", "w_v", "w_o")]
+        oracle_inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        oracle(*oracle_inputs)[1].pow(2).sum().backward()
+        oracle_inputs += [getattr(oracle, n).weight for n in ("w_q", "w_k", "w_v", "w_o")]
+    assert [t.grad is None for t in inputs] == [t.grad is None for t in oracle_inputs]
+    assert inputs[2].grad is None
+    for got, want in zip(inputs, oracle_inputs):
+        if want.grad is not None:
+            torch.testing.assert_close(got.grad, want.grad)
+
+
 def test_fully_masked_row_gradient_matches_oracle(device):
     q, k, v = leaf(1, 1, 3, 4, device=device), leaf(1, 1, 5, 4, device=device), leaf(1, 1, 5, 4, device=device)
     mask = MASKS["fully-masked-row"](device)

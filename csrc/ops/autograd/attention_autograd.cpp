@@ -48,6 +48,9 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
         detail::attention_backward(grad_output, grad_weights, saved[0], saved[1], saved[2], mask, saved[4], saved[5],
                                    saved[6], ctx->saved_data["dropout_p"].toDouble(),
                                    ctx->saved_data["is_causal"].toBool(), detail::optional_if_defined(saved[7]));
+    if (!grads[0].defined()) {
+      grad_value = at::Tensor();  // only the kept weights reach the loss: no gradient (None), not zeros
+    }
     return {grad_query, grad_key, grad_value, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };

@@ -59,6 +59,11 @@ class MultiHeadAttentionFunction : public torch::autograd::Function<MultiHeadAtt
             grad_output, grad_weights, s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9], s[10], s[11], s[12],
             ctx->saved_data["num_heads"].toInt(), mask, ctx->saved_data["dropout_p"].toDouble(),
             ctx->saved_data["is_causal"].toBool(), detail::optional_if_defined(s[14]));
+    if (!grads[0].defined()) {
+      // Only the kept weights reach the loss: the value and the projections around it get no gradient (None, as in
+      // the textbook block), not zeros that an optimizer's decay and momentum would act on.
+      grad_value = grad_w_v = grad_w_o = at::Tensor();
+    }
     return {grad_query, grad_key,     grad_value,   grad_w_q,     grad_w_k,     grad_w_v,
             grad_w_o,   at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
