@@ -80,14 +80,19 @@ def check_step_inputs(keys: Tensor, key_cache: Optional[Tensor], value_cache: Op
                                + str(keys.shape[0]) + ", " + str(keys.shape[1]) + ", T_past, " + str(keys.shape[3])
                                + "), got key_cache " + shape(key_cache) + " and value_cache " + shape(value_cache))
         len_past = key_cache.shape[2]
+    check_mask(mask, keys.device, [keys.shape[0], keys.shape[1], keys.shape[2], len_past + keys.shape[2]])
+
+
+def check_mask(mask: Optional[Tensor], device: torch.device, scores: List[int]) -> None:
+    """A mask for scores of shape ``scores`` (batch, h, Lq, Lk): real or bool, on ``device``, broadcastable to
+    them without growing them."""
     if mask is not None:
         check_dense(mask, "mask")
         if mask.is_complex():
             raise RuntimeError("fastmha: mask must be a real or bool tensor, got " + dtype_name(mask.dtype))
-        if mask.device != keys.device:
-            raise RuntimeError("fastmha: mask must be on the query's device " + str(keys.device) + ", got "
+        if mask.device != device:
+            raise RuntimeError("fastmha: mask must be on the query's device " + str(device) + ", got "
                                + str(mask.device))
-        scores = [keys.shape[0], keys.shape[1], keys.shape[2], len_past + keys.shape[2]]
         fits = mask.dim() <= 4
         for i in range(mask.dim()):
             if fits and mask.shape[i] != 1 and mask.shape[i] != scores[4 - mask.dim() + i]:

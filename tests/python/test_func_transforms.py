@@ -1,0 +1,139 @@
+"""torch.func transforms (grad, vmap of grad for per-sample gradients, jvp) over the block and its static attention,
+against the oracle block under the same transforms: the ops' C++ autograd is opaque to them, so the block computes
+with torch's own ops there. Also projections that are called although they look plain: a forward set on the
+instance or patched onto the class, and a weight that is a tensor subclass."""
+
+import pytest
+import torch
+from oracle import OracleBlock, oracle_attention
+from torch import nn
+from torch.func import functional_call, grad, jvp, vmap
+from torch.utils._pytree import tree_map
+
+import fastmha
+
+D_MODEL, HEADS = 16, 4
+
+
+def pair(**kwargs):
+    torch.manual_seed(0)
+    block = fastmha.MultiHeadAttentionBlock(D_MODEL, HEADS, 0.0, **kwargs).double()
+    oracle = OracleBlock(D_MODEL, HEADS).double()
+    oracle.load_state_dict(block.state_dict())
+    return block, oracle
+
+
+def batch():
+    x = torch.randn(3, 5, D_MODEL, dtype=torch.float64)
+    mask = torch.ones(3, 1, 1, 5, dtype=torch.int64)
+    mask[1, ..., 3:] = 0
+    mask[2, ..., :] = 0  # a row with no visible key: uniform weights
+    return x, mask
+
+
+def per_sample_loss(model):
+    def loss(params, x, mask):
+        out = functional_call(model, params, (x[None], x[None], x[None], mask[None]))
+        return (out[0] if isinstance(out, tuple) else out).pow(2).sum()
+    return loss
+
+
+def assert_dicts_close(got, want):
+    assert got.keys() == want.keys()
+    for name in got:
+        torch.testing.assert_close(got[name], want[name])
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_grad_and_per_sample_grads_match_the_oracle(is_causal):
+    block, oracle = pair(is_causal=is_causal)
+    x, mask = batch()
+    if is_causal:  # the oracle gets the causal cut in its mask
+        mask = mask * torch.ones(5, 5, dtype=torch.int64).tril()
+    params = {name: p.detach() for name, p in block.named_parameters()}
+    got = grad(per_sample_loss(block))(params, x[0], mask[0])
+    want = grad(per_sample_loss(oracle))(params, x[0], mask[0])
+    assert_dicts_close(got, want)
+    got = vmap(grad(per_sample_loss(block)), in_dims=(None, 0, 0))(params, x, mask)
+    want = vmap(grad(per_sample_loss(oracle)), in_dims=(None, 0, 0))(params, x, mask)
+    assert_dicts_close(got, want)
+
+
+def test_jvp_matches_the_oracle():
+    block, oracle = pair()
+    x, mask = batch()
+    tangent = torch.randn_like(x)
+    out, derivative = jvp(lambda z: block(z, z, z, mask), (x,), (tangent,))
+    want, want_derivative = jvp(lambda z: oracle(z, z, z, mask)[0], (x,), (tangent,))
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(derivative, want_derivative)
+
+
+def test_static_attention_under_grad():
+    q, k, v = (torch.randn(2, HEADS, 5, 4, dtype=torch.float64) for _ in range(3))
+    mask = torch.ones(2, 1, 1, 5)
+    mask[0, ..., 2:] = 0
+
+    def loss(attend, q):
+        out, weights = attend(q, k, v, mask)
+        return out.sum() + weights.pow(2).sum()
+
+    got = grad(lambda q: loss(lambda *a: fastmha.MultiHeadAttentionBlock.attention(*a, None), q))(q)
+    want = grad(lambda q: loss(oracle_attention, q))(q)
+    torch.testing.assert_close(got, want)
+
+
+def test_bad_mask_under_a_transform_is_named():
+    block, _ = pair()
+    x, _ = batch()
+    params = {name: p.detach() for name, p in block.named_parameters()}
+    with pytest.raises(RuntimeError, match=r"mask of shape \[1, 4\] does not broadcast to the scores"):
+        grad(per_sample_loss(block))(params, x[0], torch.ones(4))
+
+
+def test_forward_set_on_the_instance_or_the_class_is_called():
+    block, oracle = pair()
+    x, mask = batch()
+    plain = block.w_v.forward
+    block.w_v.forward = lambda t: plain(t) * 2.0  # as offloading and adapter tools patch modules
+    oracle_forward = oracle.w_v.forward
+    oracle.w_v.forward = lambda t: oracle_forward(t) * 2.0
+    torch.testing.assert_close(block(x, x, x, mask), oracle(x, x, x, mask)[0])
+    del block.w_v.forward, oracle.w_v.forward
+    linear_forward = nn.Linear.forward
+    try:
+        nn.Linear.forward = lambda self, t: linear_forward(self, t) + 1.0
+        torch.testing.assert_close(block(x, x, x, mask), oracle(x, x, x, mask)[0])
+    finally:
+        nn.Linear.forward = linear_forward
+    torch.testing.assert_close(block(x, x, x, mask), oracle(x, x, x, mask)[0])
+
+
+class ScaledWeight(torch.Tensor):
+    """A weight kept as (data, scale), as quantization libraries keep theirs; torch's ops see data * scale, other
+    libraries' ops are not supported (as with such libraries' tensors)."""
+
+    @staticmethod
+    def __new__(cls, data, scale):
+        tensor = torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=data.dtype, device=data.device)
+        tensor.stored, tensor.scale = data, scale
+        return tensor
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func.namespace != "aten":
+            return NotImplemented
+
+        def unwrap(t):
+            return t.stored * t.scale if isinstance(t, ScaledWeight) else t
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+
+def test_a_tensor_subclass_weight_is_used_through_its_module():
+    block, oracle = pair()
+    x, mask = batch()
+    weight = block.w_k.weight.detach()
+    del block.w_k.weight
+    block.w_k.weight = ScaledWeight(weight / 4.0, 4.0)
+    with torch.no_grad():
+        torch.testing.assert_close(block(x, x, x, mask), oracle(x, x, x, mask)[0])
