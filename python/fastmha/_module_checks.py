@@ -84,8 +84,8 @@ def check_step_inputs(keys: Tensor, key_cache: Optional[Tensor], value_cache: Op
 
 
 def check_mask(mask: Optional[Tensor], device: torch.device, scores: List[int]) -> None:
-    """A mask for scores of shape ``scores`` (batch, h, Lq, Lk): real or bool, on ``device``, broadcastable to
-    them without growing them."""
+    """A mask for scores of shape ``scores`` ((batch, h, Lq, Lk), or fewer leading dims): real or bool, on
+    ``device``, broadcastable to them without growing them."""
     if mask is not None:
         check_dense(mask, "mask")
         if mask.is_complex():
@@ -93,9 +93,9 @@ def check_mask(mask: Optional[Tensor], device: torch.device, scores: List[int]) 
         if mask.device != device:
             raise RuntimeError("fastmha: mask must be on the query's device " + str(device) + ", got "
                                + str(mask.device))
-        fits = mask.dim() <= 4
+        fits = mask.dim() <= len(scores)
         for i in range(mask.dim()):
-            if fits and mask.shape[i] != 1 and mask.shape[i] != scores[4 - mask.dim() + i]:
+            if fits and mask.shape[i] != 1 and mask.shape[i] != scores[len(scores) - mask.dim() + i]:
                 fits = False
         if not fits:
             raise RuntimeError("fastmha: mask of shape " + shape(mask) + " does not broadcast to the scores "

@@ -7,6 +7,8 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.nn.modules import module as module_hooks
 
 from . import _C
@@ -52,17 +54,25 @@ def _has_hooks(module: nn.Module) -> bool:
 _CLASS_FORWARDS = {nn.Linear: nn.Linear.forward, nn.Dropout: nn.Dropout.forward, nn.Identity: nn.Identity.forward}
 
 
+# Weights the op may read: plain ones, and torch's own stand-ins for them while torch.export traces.
+_PLAIN_WEIGHT_TYPES = (Tensor, nn.Parameter, FakeTensor, FunctionalTensor)
+
+
 def _runs_its_class_forward(module: nn.Module) -> bool:
-    """Whether calling ``module`` runs just its class's forward: no hook (its own or a global one) and no forward
-    set on the instance or patched onto the class (as offloading and adapter tools do)."""
-    return (not _has_hooks(module) and "forward" not in module.__dict__
-            and type(module).forward is _CLASS_FORWARDS.get(type(module)))
+    """Whether calling ``module`` runs just its class's forward: no hook (its own or a global one) and no other
+    forward set on the instance or patched onto the class (as offloading and adapter tools do; when they undo it,
+    the class's forward may stay bound on the instance)."""
+    class_forward = _CLASS_FORWARDS.get(type(module))
+    own = module.__dict__.get("forward")
+    return (not _has_hooks(module) and type(module).forward is class_forward
+            and (own is None or (getattr(own, "__func__", None) is class_forward
+                                 and getattr(own, "__self__", None) is module)))
 
 
 def _is_plain_linear(module: nn.Module) -> bool:
     """A bias-free ``nn.Linear`` with a plain weight (not a tensor subclass) that runs its class's forward: the op
     may read its weight instead of calling it."""
-    return (type(module) is nn.Linear and module.bias is None and type(module.weight) in (Tensor, nn.Parameter)
+    return (type(module) is nn.Linear and module.bias is None and type(module.weight) in _PLAIN_WEIGHT_TYPES
             and _runs_its_class_forward(module))
 
 
@@ -71,10 +81,10 @@ def _is_plain_dropout(module: nn.Module) -> bool:
     return type(module) in (nn.Dropout, nn.Identity) and _runs_its_class_forward(module)
 
 
-def _in_functorch_transform() -> bool:
-    """Whether a torch.func transform (grad, vjp, jvp, vmap, ...) is active: they cannot see through the ops' C++
-    autograd, so the block then computes with torch's own ops."""
-    return torch._C._are_functorch_transforms_active()
+def _needs_torch_ops() -> bool:
+    """Whether the block must compute with torch's own ops: under a torch.func transform (grad, vjp, jvp, vmap,
+    ...), which cannot see through the ops' C++ autograd, and in an ONNX export, which has no fastmha operators."""
+    return torch._C._are_functorch_transforms_active() or torch.onnx.is_in_onnx_export()
 
 
 def _plain_attention(
@@ -82,16 +92,17 @@ def _plain_attention(
     is_causal: bool,
 ) -> Tuple[Tensor, Tensor]:
     """The attention core in torch's own ops, from the same formulas as the op: -1e9 where ``mask == 0`` or
-    ``is_causal`` hides a key, the softmax of half types in float32, the dropout module called on the weights."""
-    scores = torch.matmul(queries, keys.transpose(-2, -1)) / math.sqrt(queries.shape[-1])
+    ``is_causal`` hides a key, scores and softmax of half types in float32, the dropout module called on the
+    weights."""
+    accumulate = torch.float32 if queries.dtype in _HALF_NAMES else queries.dtype
+    scores = torch.matmul(queries.to(accumulate), keys.to(accumulate).transpose(-2, -1)) / math.sqrt(queries.shape[-1])
     _module_checks.check_mask(mask, queries.device, list(scores.shape))
     if is_causal:
         hidden = torch.ones(scores.shape[-2], scores.shape[-1], dtype=torch.bool, device=scores.device).triu(1)
         scores = scores.masked_fill(hidden, -1e9)
     if mask is not None:
         scores = scores.masked_fill(mask == 0, -1e9)
-    accumulate = torch.float32 if scores.dtype in _HALF_NAMES else scores.dtype
-    weights = torch.softmax(scores, dim=-1, dtype=accumulate).to(scores.dtype)
+    weights = torch.softmax(scores, dim=-1).to(queries.dtype)
     if dropout is not None:
         weights = dropout(weights)
     return torch.matmul(weights, values), weights
@@ -208,7 +219,7 @@ class MultiHeadAttentionBlock(nn.Module):
         ``dropout`` is an ``nn.Dropout`` (applied only while it is in training mode), None, or another module,
         which is called on the weights as the textbook method does.
         """
-        if _in_functorch_transform():
+        if _needs_torch_ops():
             return _plain_attention(query, key, value, mask, dropout, False)
         if dropout is not None and not _is_plain_dropout(dropout):
             _, weights = torch.ops.fastmha.attention(query, key, value, mask, 0.0, True)
@@ -255,12 +266,12 @@ class MultiHeadAttentionBlock(nn.Module):
         A hook (forward, backward, or global), another module in their place (a wrapper, a parametrized or biased
         Linear, an ``nn.Identity`` for the dropout) makes ``forward`` call them instead, as the textbook block
         does."""
-        return not _in_functorch_transform() and self._dropout_is_plain() and all(
+        return not _needs_torch_ops() and self._dropout_is_plain() and all(
             _is_plain_linear(linear) for linear in (self.w_q, self.w_k, self.w_v, self.w_o))
 
     @torch.jit.unused
-    def _under_functorch_transform(self) -> bool:
-        return _in_functorch_transform()
+    def _takes_torch_ops(self) -> bool:
+        return _needs_torch_ops()
 
     @torch.jit.unused
     def _dropout_is_plain(self) -> bool:
@@ -286,8 +297,8 @@ class MultiHeadAttentionBlock(nn.Module):
     ) -> Tuple[Tensor, Tensor]:
         """The attention core of the module paths: the op's, with dropout ``p`` (every weight dropped at p >= 1),
         or, where the block calls its dropout module, the op's weights through that module, times the values; under
-        a torch.func transform, the same formulas in torch's ops."""
-        if not torch.jit.is_scripting() and self._under_functorch_transform():
+        a torch.func transform or in an ONNX export, the same formulas in torch's ops."""
+        if not torch.jit.is_scripting() and self._takes_torch_ops():
             return _plain_attention(queries, keys, values, mask, self.dropout, is_causal)
         if self._calls_dropout if torch.jit.is_scripting() else not self._dropout_is_plain():
             _, weights = torch.ops.fastmha.attention(queries, keys, values, mask, 0.0, True, is_causal)
