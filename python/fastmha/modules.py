@@ -261,11 +261,11 @@ class MultiHeadAttentionBlock(nn.Module):
 
     @torch.jit.unused
     def _modules_are_plain(self) -> bool:
-        """Whether the four projections are bias-free ``nn.Linear`` modules and the dropout an ``nn.Dropout``, and
-        no hook watches them, so that the block's op may read their weights and probability without calling them.
-        A hook (forward, backward, or global), another module in their place (a wrapper, a parametrized or biased
-        Linear, an ``nn.Identity`` for the dropout) makes ``forward`` call them instead, as the textbook block
-        does."""
+        """Whether the block's op may read the four projections' weights and the dropout's probability without
+        calling them: plain projections (``_is_plain_linear``) and dropout (``_dropout_is_plain``), outside
+        torch.func transforms and ONNX exports. A hook (forward, backward, or global), another module in their
+        place (a wrapper, a parametrized or biased Linear, a dropout of the user's) or a patched forward makes
+        ``forward`` call them instead, as the textbook block does."""
         return not _needs_torch_ops() and self._dropout_is_plain() and all(
             _is_plain_linear(linear) for linear in (self.w_q, self.w_k, self.w_v, self.w_o))
 
@@ -340,9 +340,10 @@ class MultiHeadAttentionBlock(nn.Module):
         does not apply (then ``forward`` takes its usual path). The first call of a run takes the block's own
         op (its checks, its numbers) and keeps the projections it made; later calls with the same key, value
         and weights project only the query, and run the same attention core and output projection."""
+        # Not reached under torch.func transforms (vmap over q alone would keep batched projections): forward
+        # takes the module path there.
         if (not self.reuse_projections or k is q or torch.is_grad_enabled() or torch.compiler.is_compiling()
-                or torch.jit.is_tracing()  # a trace would record the kept projections as constants
-                or torch._C._are_functorch_transforms_active()):  # vmap over q alone would keep batched projections
+                or torch.jit.is_tracing()):  # a trace would record the kept projections as constants
             return None
         w_q, w_k, w_v, w_o = self.w_q.weight, self.w_k.weight, self.w_v.weight, self.w_o.weight
         sources = (k, v, w_k, w_v)
