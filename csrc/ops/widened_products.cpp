@@ -1,7 +1,6 @@
 #include "ops/widened_products.h"
 
 #include <ATen/Context.h>
-#include <torch/version.h>
 
 #include <algorithm>
 
@@ -25,12 +24,8 @@ bool fp32_matmul_may_round_to_bfloat16() {
   try {
     return at::globalContext().float32MatmulPrecision() == at::Float32MatmulPrecision::MEDIUM;
   } catch (const c10::Error&) {
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 15)
     return at::globalContext().float32Precision(at::Float32Backend::MKLDNN, at::Float32Op::MATMUL) ==
            at::Float32Precision::BF16;
-#else
-    return true;  // cannot tell: keep float16 operands as they are
-#endif
   }
 }
 

@@ -270,6 +270,12 @@ out, _ = torch.ops.fastmha.multi_head_attention(torch.randn(2, 3, 16, dtype=torc
     *(torch.randn(2, 3, 16, dtype=torch.float16) for _ in range(2)),
     *(torch.randn(16, 16, dtype=torch.float16) for _ in range(4)), 2)
 assert torch.isfinite(out).all()
+# oneDNN's matmuls may round fp32 to bfloat16: float16 stays as it is. Only CUDA's may (legacy getter raises too):
+# float16 is widened where the CPU has no native float16 products.
+assert not fastmha._C.cpu_widens_products("float16", 64)
+torch.backends.mkldnn.matmul.fp32_precision = "ieee"
+torch.backends.cuda.matmul.fp32_precision = "tf32"
+assert fastmha._C.cpu_widens_products("float16", 64) is not fastmha._C.cpu_native_products("float16")
 print("ok")
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
