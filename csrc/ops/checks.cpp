@@ -52,20 +52,20 @@ void check_defined(const at::Tensor& t, const char* name) {
   check_dense(t, name);
 }
 
-// `t` must share `ref`'s dtype and device (ref is the query, which fixes both for the call).
-void check_like_query(const at::Tensor& t, const char* name, const at::Tensor& query) {
+// `t` must share the query's dtype and device, which fix both for the call (a decoding step's query is named x).
+void check_like_query(const at::Tensor& t, const char* name, const at::Tensor& query,
+                      const char* query_name = "query") {
   check_defined(t, name);
-  TORCH_CHECK(t.scalar_type() == query.scalar_type(), "fastmha: ", name, " must have the query's dtype ",
+  TORCH_CHECK(t.scalar_type() == query.scalar_type(), "fastmha: ", name, " must have the ", query_name, "'s dtype ",
               query.scalar_type(), ", got ", t.scalar_type());
-  TORCH_CHECK(t.device() == query.device(), "fastmha: ", name, " must be on the query's device ", query.device(),
-              ", got ", t.device());
+  TORCH_CHECK(t.device() == query.device(), "fastmha: ", name, " must be on the ", query_name, "'s device ",
+              query.device(), ", got ", t.device());
 }
 
-void check_query_dtype(const at::Tensor& query) {
-  check_defined(query, "query");
-  TORCH_CHECK(is_supported_float(query.scalar_type()),
-              "fastmha: query must be a floating-point tensor (float32, float64, float16 or bfloat16), got ",
-              query.scalar_type());
+void check_query_dtype(const at::Tensor& query, const char* query_name = "query") {
+  check_defined(query, query_name);
+  TORCH_CHECK(is_supported_float(query.scalar_type()), "fastmha: ", query_name,
+              " must be a floating-point tensor (float32, float64, float16 or bfloat16), got ", query.scalar_type());
 }
 
 void check_dim(const at::Tensor& t, const char* name, int64_t dim, const char* layout) {
@@ -90,7 +90,7 @@ void check_dropout(double dropout_p) {
 
 // The mask must broadcast to the scores (batch, h, Lq, Lk) without growing them, as masked_fill_ requires.
 void check_mask(const std::optional<at::Tensor>& mask, const at::Tensor& query, c10::SymInt batch, c10::SymInt heads,
-                c10::SymInt len_q, c10::SymInt len_k) {
+                c10::SymInt len_q, c10::SymInt len_k, const char* query_name = "query") {
   if (!mask.has_value()) {
     return;
   }
@@ -98,8 +98,8 @@ void check_mask(const std::optional<at::Tensor>& mask, const at::Tensor& query, 
   check_defined(m, "mask");
   TORCH_CHECK(!at::isComplexType(m.scalar_type()), "fastmha: mask must be a real or bool tensor, got ",
               m.scalar_type());
-  TORCH_CHECK(m.device() == query.device(), "fastmha: mask must be on the query's device ", query.device(), ", got ",
-              m.device());
+  TORCH_CHECK(m.device() == query.device(), "fastmha: mask must be on the ", query_name, "'s device ", query.device(),
+              ", got ", m.device());
   const std::vector<c10::SymInt> scores = {batch, heads, len_q, len_k};
   TORCH_CHECK(m.dim() <= 4, "fastmha: mask must have at most 4 dims broadcastable to the scores (batch, h, Lq, Lk) ",
               c10::SymIntArrayRef(scores), ", got shape ", m.sym_sizes());
@@ -140,14 +140,14 @@ void check_attention_inputs(const at::Tensor& query, const at::Tensor& key, cons
 
 void check_block_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& w_q,
                         const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o, int64_t num_heads,
-                        const std::optional<at::Tensor>& mask, double dropout_p) {
-  check_query_dtype(query);
+                        const std::optional<at::Tensor>& mask, double dropout_p, const char* query_name) {
+  check_query_dtype(query, query_name);
   check_like_query(key, "key", query);
   check_like_query(value, "value", query);
   const std::pair<const at::Tensor*, const char*> weights[] = {
       {&w_q, "w_q"}, {&w_k, "w_k"}, {&w_v, "w_v"}, {&w_o, "w_o"}};
   for (const auto& [w, name] : weights) {
-    check_like_query(*w, name, query);
+    check_like_query(*w, name, query, query_name);
   }
   TORCH_CHECK(num_heads > 0, "fastmha: num_heads must be positive, got ", num_heads);
   check_dim(w_q, "w_q", 2, "(d_model, d_model)");
@@ -159,10 +159,10 @@ void check_block_inputs(const at::Tensor& query, const at::Tensor& key, const at
   }
   TORCH_CHECK(d_model % num_heads == 0, "fastmha: d_model must be divisible by num_heads, got d_model ", d_model,
               " and num_heads ", num_heads);
-  check_dim(query, "query", 3, "(batch, Lq, d_model)");
+  check_dim(query, query_name, 3, "(batch, Lq, d_model)");
   check_dim(key, "key", 3, "(batch, Lk, d_model)");
   check_dim(value, "value", 3, "(batch, Lk, d_model)");
-  const std::pair<const at::Tensor*, const char*> inputs[] = {{&query, "query"}, {&key, "key"}, {&value, "value"}};
+  const std::pair<const at::Tensor*, const char*> inputs[] = {{&query, query_name}, {&key, "key"}, {&value, "value"}};
   for (const auto& [x, name] : inputs) {
     TORCH_CHECK(x->sym_size(2) == d_model, "fastmha: ", name, " must have d_model = ", d_model,
                 " features (last dim), got shape ", x->sym_sizes());
@@ -174,8 +174,9 @@ void check_block_inputs(const at::Tensor& query, const at::Tensor& key, const at
 }
 
 void check_attention_mask(const std::optional<at::Tensor>& mask, const at::Tensor& query, const c10::SymInt& batch,
-                          const c10::SymInt& heads, const c10::SymInt& len_q, const c10::SymInt& len_k) {
-  check_mask(mask, query, batch, heads, len_q, len_k);
+                          const c10::SymInt& heads, const c10::SymInt& len_q, const c10::SymInt& len_k,
+                          const char* query_name) {
+  check_mask(mask, query, batch, heads, len_q, len_k, query_name);
 }
 
 void check_backward_inputs(const at::Tensor& grad_output, const at::Tensor& query, const at::Tensor& key,

@@ -28,9 +28,10 @@ void check_attention_inputs(const at::Tensor& query, const at::Tensor& key, cons
                             const std::optional<at::Tensor>& mask, double dropout_p);
 
 // A mask for scores of shape (batch, heads, len_q, len_k): real or bool, on the query's device, broadcastable to
-// them without growing them.
+// them without growing them. Errors call the query `query_name`.
 void check_attention_mask(const std::optional<at::Tensor>& mask, const at::Tensor& query, const c10::SymInt& batch,
-                          const c10::SymInt& heads, const c10::SymInt& len_q, const c10::SymInt& len_k);
+                          const c10::SymInt& heads, const c10::SymInt& len_q, const c10::SymInt& len_k,
+                          const char* query_name = "query");
 
 // The backward's tensors from its forward: grad_output and output (batch, h, Lq, d_v) in the query's dtype,
 // logsumexp (batch, h, Lq) in its accumulation type, rng_state 2 int64 values; and the forward's own checks.
@@ -41,9 +42,10 @@ void check_backward_inputs(const at::Tensor& grad_output, const at::Tensor& quer
 // The backward's kept weights: nullopt, or (batch, h, Lq, Lk) in the query's dtype, on its device.
 void check_kept_weights(const std::optional<at::Tensor>& weights, const at::Tensor& query, const at::Tensor& key);
 
-// query (batch, Lq, d_model), key and value (batch, Lk, d_model), weights (d_model, d_model).
+// query (batch, Lq, d_model), key and value (batch, Lk, d_model), weights (d_model, d_model). Errors call the
+// query `query_name` (a decoding step's is its input x).
 void check_block_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& w_q,
                         const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o, int64_t num_heads,
-                        const std::optional<at::Tensor>& mask, double dropout_p);
+                        const std::optional<at::Tensor>& mask, double dropout_p, const char* query_name = "query");
 
 }  // namespace fastmha

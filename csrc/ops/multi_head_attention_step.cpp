@@ -25,7 +25,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> multi_head_attention_step_impl(
   check_dense(x, "x");
   check_dense(key_cache, "key_cache");
   check_dense(value_cache, "value_cache");  // the mask's check comes with its shape's, below
-  check_block_inputs(x, x, x, w_q, w_k, w_v, w_o, num_heads, std::nullopt, dropout_p);
+  check_block_inputs(x, x, x, w_q, w_k, w_v, w_o, num_heads, std::nullopt, dropout_p, "x");
   auto keys = split_heads(widened_linear(x, w_k), num_heads);
   auto values = split_heads(widened_linear(x, w_v), num_heads);
   if (key_cache.has_value()) {
@@ -51,7 +51,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> multi_head_attention_step_impl(
   }
   const auto len_new = x.sym_size(1), len_total = keys.sym_size(2);
   // The caller's mask, checked as given (not after it is combined with the causal cut).
-  check_attention_mask(mask, x, x.sym_size(0), c10::SymInt(num_heads), len_new, len_total);
+  check_attention_mask(mask, x, x.sym_size(0), c10::SymInt(num_heads), len_new, len_total, "x");
   // New position i (absolute T_past + i) sees keys j <= T_past + i.
   auto positions = at::arange(c10::Scalar(len_total), x.options().dtype(at::kLong));
   auto limits = at::arange(c10::Scalar(len_new), x.options().dtype(at::kLong)).add(c10::Scalar(len_total - len_new));

@@ -28,13 +28,14 @@ def check_dense(x: Tensor, name: str) -> None:
         raise RuntimeError("fastmha: " + name + " must be a dense (strided) tensor")
 
 
-def check_block_inputs(q: Tensor, k: Tensor, v: Tensor, d_model: int) -> None:
-    """q (batch, Lq, d_model), k and v (batch, Lk, d_model), floating point, of one dtype and device."""
+def check_block_inputs(q: Tensor, k: Tensor, v: Tensor, d_model: int, q_name: str = "query") -> None:
+    """q (batch, Lq, d_model), k and v (batch, Lk, d_model), floating point, of one dtype and device. Errors call q
+    ``q_name`` (a decoding step's is its input x)."""
     if q.dtype != torch.float32 and q.dtype != torch.float64 and q.dtype != torch.float16 and q.dtype != torch.bfloat16:
-        raise RuntimeError("fastmha: query must be a floating-point tensor (float32, float64, float16 or bfloat16), "
-                           "got " + dtype_name(q.dtype))
+        raise RuntimeError("fastmha: " + q_name + " must be a floating-point tensor (float32, float64, float16 or "
+                           "bfloat16), got " + dtype_name(q.dtype))
     layouts = ["(batch, Lq, d_model)", "(batch, Lk, d_model)", "(batch, Lk, d_model)"]
-    names = ["query", "key", "value"]
+    names = [q_name, "key", "value"]
     tensors = [q, k, v]
     for i in range(3):
         x, name = tensors[i], names[i]
@@ -80,18 +81,18 @@ def check_step_inputs(keys: Tensor, key_cache: Optional[Tensor], value_cache: Op
                                + str(keys.shape[0]) + ", " + str(keys.shape[1]) + ", T_past, " + str(keys.shape[3])
                                + "), got key_cache " + shape(key_cache) + " and value_cache " + shape(value_cache))
         len_past = key_cache.shape[2]
-    check_mask(mask, keys.device, [keys.shape[0], keys.shape[1], keys.shape[2], len_past + keys.shape[2]])
+    check_mask(mask, keys.device, [keys.shape[0], keys.shape[1], keys.shape[2], len_past + keys.shape[2]], "x")
 
 
-def check_mask(mask: Optional[Tensor], device: torch.device, scores: List[int]) -> None:
+def check_mask(mask: Optional[Tensor], device: torch.device, scores: List[int], q_name: str = "query") -> None:
     """A mask for scores of shape ``scores`` ((batch, h, Lq, Lk), or fewer leading dims): real or bool, on
-    ``device``, broadcastable to them without growing them."""
+    ``device`` (the query's, named ``q_name``), broadcastable to them without growing them."""
     if mask is not None:
         check_dense(mask, "mask")
         if mask.is_complex():
             raise RuntimeError("fastmha: mask must be a real or bool tensor, got " + dtype_name(mask.dtype))
         if mask.device != device:
-            raise RuntimeError("fastmha: mask must be on the query's device " + str(device) + ", got "
+            raise RuntimeError("fastmha: mask must be on the " + q_name + "'s device " + str(device) + ", got "
                                + str(mask.device))
         fits = mask.dim() <= len(scores)
         for i in range(mask.dim()):

@@ -403,7 +403,7 @@ class MultiHeadAttentionBlock(nn.Module):
             key_cache, value_cache = cache
         p = self._dropout_p()
         if self._calls_modules if torch.jit.is_scripting() else not self._modules_are_plain():
-            _module_checks.check_block_inputs(x, x, x, self.d_model)
+            _module_checks.check_block_inputs(x, x, x, self.d_model, "x")
             return self._step_through_modules(x, key_cache, value_cache, mask, p)
         output, keys, values = torch.ops.fastmha.multi_head_attention_step(
             x, self.w_q.weight, self.w_k.weight, self.w_v.weight, self.w_o.weight, self.h,

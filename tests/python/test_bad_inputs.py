@@ -143,6 +143,12 @@ STEP_CASES = {
     "mask length": (dict(mask=torch.ones(2, 1, 1, 5)), r"mask of shape \[2, 1, 1, 5\] does not broadcast to the scores \(batch, h, Lq, Lk\) \[2, 2, 3, 7\]"),
     "mask batch": (dict(mask=torch.ones(3, 1, 1, 7)), r"mask of shape \[3, 1, 1, 7\] does not broadcast"),
     "sparse x": (dict(x=torch.randn(2, 3, D).to_sparse()), r"x must be a dense \(strided\) tensor, got layout Sparse"),
+    # The step's input is x: its errors say so.
+    "integer x": (dict(x=torch.ones(2, 3, D, dtype=torch.long)), r"x must be a floating-point tensor .*, got Long"),
+    "x features": (dict(x=torch.randn(2, 3, D - 1)), r"x must have d_model = 8 features \(last dim\), got shape \[2, 3, 7\]"),
+    "2-D x": (dict(x=torch.randn(3, D)), r"x must be 3-D \(batch, Lq, d_model\), got shape \[3, 8\]"),
+    "float64 x": (dict(x=torch.randn(2, 3, D, dtype=torch.float64)), r"w_q must have the x's dtype Double, got Float"),
+    "meta mask": (dict(mask=torch.ones(7, device="meta")), r"mask must be on the x's device cpu, got meta"),
 }
 
 

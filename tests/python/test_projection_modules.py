@@ -218,13 +218,16 @@ STEP_BAD = {
     "cache shape": (dict(cache=(torch.randn(2, 2, 4, 7, dtype=torch.float64),) * 2), r"must have shape \(batch, heads, T_past, d_k\)"),
     "complex mask": (dict(mask=torch.ones(7, dtype=torch.complex64)), "mask must be a real or bool tensor, got ComplexFloat"),
     "mask length": (dict(mask=torch.ones(2, 1, 1, 5)), r"mask of shape \[2, 1, 1, 5\] does not broadcast to the scores \(batch, h, Lq, Lk\) \[2, 2, 3, 7\]"),
+    "meta mask": (dict(mask=torch.ones(7, device="meta")), "mask must be on the x's device cpu, got meta"),
+    "x features": (dict(x=torch.randn(2, 3, 15, dtype=torch.float64)), r"x must have d_model = 16 features \(last dim\)"),
+    "integer x": (dict(x=torch.ones(2, 3, 16, dtype=torch.long)), "x must be a floating-point tensor"),
 }
 
 
 @pytest.mark.parametrize("case", STEP_BAD)
 def test_hooked_forward_step_checks_its_caches_and_mask_as_the_op_does(case):
     changes, message = STEP_BAD[case]
-    x = torch.randn(2, 3, 16, dtype=torch.float64)
+    x = changes.get("x", torch.randn(2, 3, 16, dtype=torch.float64))
     cache = changes.get("cache", (torch.randn(2, 2, 4, 8, dtype=torch.float64),) * 2)
     for hooked in (False, True):
         block, _ = pair()
