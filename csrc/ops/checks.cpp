@@ -23,11 +23,21 @@ void check_dense(const std::optional<at::Tensor>& t, const char* name) {
   }
 }
 
+namespace {
+
+// A required tensor argument: None from Python arrives as an undefined tensor.
+void check_defined(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.defined(), "fastmha: ", name, " must be a tensor, got None (an undefined tensor)");
+  check_dense(t, name);
+}
+
+}  // namespace
+
 void check_dense_attention_args(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                 const std::optional<at::Tensor>& mask) {
-  check_dense(query, "query");
-  check_dense(key, "key");
-  check_dense(value, "value");
+  check_defined(query, "query");
+  check_defined(key, "key");
+  check_defined(value, "value");
   check_dense(mask, "mask");
 }
 
@@ -35,21 +45,16 @@ void check_dense_block_args(const at::Tensor& query, const at::Tensor& key, cons
                             const at::Tensor& w_q, const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o,
                             const std::optional<at::Tensor>& mask) {
   check_dense_attention_args(query, key, value, mask);
-  check_dense(w_q, "w_q");
-  check_dense(w_k, "w_k");
-  check_dense(w_v, "w_v");
-  check_dense(w_o, "w_o");
+  check_defined(w_q, "w_q");
+  check_defined(w_k, "w_k");
+  check_defined(w_v, "w_v");
+  check_defined(w_o, "w_o");
 }
 
 namespace {
 
 bool is_supported_float(at::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
-}
-
-void check_defined(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.defined(), "fastmha: ", name, " must be a tensor, got an undefined tensor");
-  check_dense(t, name);
 }
 
 // `t` must share the query's dtype and device, which fix both for the call (a decoding step's query is named x).

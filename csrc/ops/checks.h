@@ -13,9 +13,9 @@ namespace fastmha {
 // ask it first, since a tensor of another layout would otherwise meet the dispatcher's "could not run" error.
 void check_dense(const at::Tensor& t, const char* name);
 void check_dense(const std::optional<at::Tensor>& t, const char* name);
-// check_dense of the attention core's query, key, value and mask: asked by the kernels that run before any
-// backend's (autograd, and the composite ones that inference mode reaches; those are also registered for nested
-// tensors, which have no backend kernel to name them).
+// The attention core's query, key and value given (not None) and dense, and the mask dense: asked by the kernels
+// that run before any backend's (autograd, and the composite ones that inference mode reaches; those are also
+// registered for nested tensors, which have no backend kernel to name them).
 void check_dense_attention_args(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                 const std::optional<at::Tensor>& mask);
 // The same for the block op's tensors.

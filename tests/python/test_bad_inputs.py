@@ -92,6 +92,32 @@ def test_core_op_errors(kwargs, match):
         core_call(**kwargs)
 
 
+NONE_CASES = [("query", lambda x, w: (None, x, x, *w)), ("key", lambda x, w: (x, None, x, *w)),
+              ("value", lambda x, w: (x, x, None, *w)), ("w_q", lambda x, w: (x, x, x, None, *w[1:])),
+              ("w_o", lambda x, w: (x, x, x, *w[:3], None))]
+
+
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference", "autocast"])
+@pytest.mark.parametrize("name,make", NONE_CASES, ids=[name for name, _ in NONE_CASES])
+def test_none_for_a_tensor_is_named(mode, name, make):
+    # None reaches the ops as an undefined tensor: the first kernel (autograd, autocast or composite) names it.
+    x = torch.randn(2, 3, D, requires_grad=True)
+    ws = [torch.randn(D, D, requires_grad=True) for _ in range(4)]
+    heads = torch.randn(2, H, 3, D // H)
+    contexts = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference": torch.inference_mode,
+                "autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16)}
+    with contexts[mode](), pytest.raises(RuntimeError, match=name + r" must be a tensor, got None"):
+        torch.ops.fastmha.multi_head_attention(*make(x, ws), H)
+    if name in ("query", "key", "value"):
+        core = make(heads, [])
+        with contexts[mode](), pytest.raises(RuntimeError, match=name + r" must be a tensor, got None"):
+            torch.ops.fastmha.attention(*core)
+        with contexts[mode](), pytest.raises(RuntimeError, match=name + r" must be a tensor, got None"):
+            fastmha.MultiHeadAttentionBlock.attention(*core, None, None)
+        with contexts[mode](), pytest.raises(RuntimeError, match=name + r" must be a tensor, got None"):
+            fastmha.MultiHeadAttentionBlock(D, H, 0.0)(*make(x, []))
+
+
 def test_module_forward_errors_name_the_argument():
     block = fastmha.MultiHeadAttentionBlock(D, H, 0.0)
     with pytest.raises(RuntimeError, match=r"query must be 3-D"):
