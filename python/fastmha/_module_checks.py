@@ -18,6 +18,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype)
 
 
+@torch.jit.ignore
+def _type_name(x: object) -> str:
+    return "None" if x is None else type(x).__name__
+
+
 def shape(x: Tensor) -> str:
     sizes: List[int] = list(x.shape)
     return str(sizes)
@@ -28,9 +33,16 @@ def check_dense(x: Tensor, name: str) -> None:
         raise RuntimeError("fastmha: " + name + " must be a dense (strided) tensor")
 
 
-def check_block_inputs(q: Tensor, k: Tensor, v: Tensor, d_model: int, q_name: str = "query") -> None:
+def check_block_inputs(q: Tensor, k: Tensor, v: Tensor, d_model: int, q_name: str = "query",
+                       features: Optional[List[int]] = None) -> None:
     """q (batch, Lq, d_model), k and v (batch, Lk, d_model), floating point, of one dtype and device. Errors call q
-    ``q_name`` (a decoding step's is its input x)."""
+    ``q_name`` (a decoding step's is its input x). ``features``: the last dims of q, k and v where the projections
+    that take them are Linear layers of another input width (w_q.in_features, ...) rather than d_model."""
+    given = [q, k, v]
+    given_names = [q_name, "key", "value"]
+    for i in range(3):
+        if not isinstance(given[i], Tensor):  # the op names None; the module path calls the modules first
+            raise RuntimeError("fastmha: " + given_names[i] + " must be a tensor, got " + _type_name(given[i]))
     if q.dtype != torch.float32 and q.dtype != torch.float64 and q.dtype != torch.float16 and q.dtype != torch.bfloat16:
         raise RuntimeError("fastmha: " + q_name + " must be a floating-point tensor (float32, float64, float16 or "
                            "bfloat16), got " + dtype_name(q.dtype))
@@ -48,15 +60,39 @@ def check_block_inputs(q: Tensor, k: Tensor, v: Tensor, d_model: int, q_name: st
                                + str(x.device))
         if x.dim() != 3:
             raise RuntimeError("fastmha: " + name + " must be 3-D " + layouts[i] + ", got shape " + shape(x))
-        if x.shape[2] != d_model:
+        expected = d_model if features is None else features[i]
+        if expected == d_model and x.shape[2] != d_model:
             raise RuntimeError("fastmha: " + name + " must have d_model = " + str(d_model)
                                + " features (last dim), got shape " + shape(x))
-    if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
-        raise RuntimeError("fastmha: query, key and value must have the same batch size (dim 0), got query "
-                           + shape(q) + ", key " + shape(k) + ", value " + shape(v))
+        if expected >= 0 and x.shape[2] != expected:
+            raise RuntimeError("fastmha: " + name + " must have " + str(expected) + " features (last dim), the input "
+                               "width of w_" + "qkv"[i] + ", got shape " + shape(x))
+    # The module path broadcasts a batch of 1, as the textbook block's matmuls do.
+    batch = max(q.shape[0], k.shape[0], v.shape[0])
+    for x in tensors:
+        if x.shape[0] != batch and x.shape[0] != 1:
+            raise RuntimeError("fastmha: query, key and value must have the same batch size (dim 0), or 1, got query "
+                               + shape(q) + ", key " + shape(k) + ", value " + shape(v))
     if k.shape[1] != v.shape[1]:
         raise RuntimeError("fastmha: key and value must have the same length (dim 1), got key " + shape(k)
                            + ", value " + shape(v))
+
+
+def check_projected(projected: Tensor, name: str, d_model: int) -> Tensor:
+    """A projection module's output for the heads: (batch, L, d_model), as the textbook block's view into h heads
+    of d_k needs. ``name`` says which module on which input, as in w_q(query)."""
+    if projected.dim() != 3 or projected.shape[2] != d_model:
+        raise RuntimeError("fastmha: " + name + " must give d_model = " + str(d_model)
+                           + " features (last dim) to split into heads, got shape " + shape(projected))
+    return projected
+
+
+def check_w_o_features(width: int, d_model: int) -> None:
+    """w_o takes the merged heads, d_model features: a Linear layer of another input width (``width``; -1 for a lazy
+    one that takes any) cannot."""
+    if width >= 0 and width != d_model:
+        raise RuntimeError("fastmha: w_o must take the merged heads' d_model = " + str(d_model)
+                           + " features, got a Linear layer of input width " + str(width))
 
 
 def check_step_inputs(keys: Tensor, key_cache: Optional[Tensor], value_cache: Optional[Tensor],
@@ -99,5 +135,6 @@ def check_mask(mask: Optional[Tensor], device: torch.device, scores: List[int], 
             if fits and mask.shape[i] != 1 and mask.shape[i] != scores[len(scores) - mask.dim() + i]:
                 fits = False
         if not fits:
-            raise RuntimeError("fastmha: mask of shape " + shape(mask) + " does not broadcast to the scores "
-                               "(batch, h, Lq, Lk) " + str(scores))
+            layout = "(batch, h, Lq, Lk) " if len(scores) == 4 else "(..., Lq, Lk) "
+            raise RuntimeError("fastmha: mask of shape " + shape(mask) + " does not broadcast to the scores " + layout
+                               + str(scores))

@@ -1,8 +1,10 @@
 """fastmha.MultiHeadAttentionBlock: a drop-in for the textbook MultiHeadAttentionBlock(d_model, h, dropout)."""
 
+import contextlib
 import math
 import numbers
-from typing import Optional, Tuple
+import warnings
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +14,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.nn.modules import module as module_hooks
 
 from . import _C
-from . import _module_checks
+from . import _any_rank, _module_checks
 from ._projection_memo import ProjectionMemo, can_hold
 
 _HALF_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -76,9 +78,29 @@ def _is_plain_linear(module: nn.Module) -> bool:
             and _runs_its_class_forward(module))
 
 
+def _input_width(module: nn.Module, d_model: int) -> int:
+    """The features a projection module takes: a Linear layer's weight's, -1 for a lazy one before its first
+    input (it takes any), d_model for other modules (wrappers)."""
+    if isinstance(module, nn.Linear):
+        return -1 if nn.parameter.is_lazy(module.weight) else int(module.weight.shape[-1])
+    return d_model
+
+
 def _is_plain_dropout(module: nn.Module) -> bool:
     """An ``nn.Dropout``, or an ``nn.Identity`` (no dropout), that runs its class's forward: the op applies it."""
     return type(module) in (nn.Dropout, nn.Identity) and _runs_its_class_forward(module)
+
+
+@contextlib.contextmanager
+def _tracer_warnings_hidden() -> Iterator[None]:
+    """Under torch.jit.trace, sizes that decide the block's path are traced values and the trace keeps the path
+    taken, as it keeps the modules it recorded: the tracer's warnings about them are not shown."""
+    if not torch.jit.is_tracing():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        yield
 
 
 def _needs_torch_ops() -> bool:
@@ -121,6 +143,27 @@ def _dropout_probability(p: float, training: bool) -> float:
     if not (p >= 0.0 and p <= 1.0):  # NaN fails both
         raise ValueError("fastmha: dropout probability has to be between 0 and 1, but got " + str(p))
     return p if training else 0.0
+
+
+def _broadcasts_batch(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether some of three inputs of one rank have batch 1 against a larger batch of the others, which the
+    textbook block's matmuls broadcast (learned queries (1, Lq, d_model) over a batch of memories, say). Other
+    batch mismatches are left to the checks."""
+    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
+        return False  # for the op to name
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        return False
+    batch = max(q.shape[0], k.shape[0], v.shape[0])
+    ones = int(q.shape[0] == 1) + int(k.shape[0] == 1) + int(v.shape[0] == 1)
+    fulls = int(q.shape[0] == batch) + int(k.shape[0] == batch) + int(v.shape[0] == batch)
+    return batch > 1 and ones > 0 and ones + fulls == 3
+
+
+def _expand_batch(q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """Projected heads (batch or 1, h, L, d_k) of batch 1 expanded (a view) to the others' batch."""
+    batch = max(q.shape[0], k.shape[0], v.shape[0])
+    expanded = [x.expand(batch, -1, -1, -1) if x.shape[0] != batch else x for x in (q, k, v)]
+    return expanded[0], expanded[1], expanded[2]
 
 
 def _matmul_precision() -> Tuple[str, ...]:
@@ -190,12 +233,14 @@ class MultiHeadAttentionBlock(nn.Module):
         self._projection_memo = ProjectionMemo()
         self._calls_modules = False  # what a scripted block does: decided when it is scripted
         self._calls_dropout = False
+        self._features = [d_model] * 4
 
     def __prepare_scriptable__(self) -> "MultiHeadAttentionBlock":
         # TorchScript cannot look at hooks or module types at run time: a block whose projections or dropout are
         # not plain when it is scripted calls them in the scripted code (which runs their scriptable hooks).
         self._calls_modules = not self._modules_are_plain()
         self._calls_dropout = not self._dropout_is_plain()
+        self._features = self._input_features()
         return self
 
     def _dropout_p(self) -> float:
@@ -216,21 +261,27 @@ class MultiHeadAttentionBlock(nn.Module):
     ) -> Tuple[Tensor, Tensor]:
         """The textbook static method: inputs (batch, h, seq, d_k); returns (weights @ value, weights).
 
-        ``dropout`` is an ``nn.Dropout`` (applied only while it is in training mode), None, or another module,
-        which is called on the weights as the textbook method does.
+        Inputs of another rank from 2 up, (..., seq, d_k) with the same leading dims, are taken as the textbook's
+        matmuls take them. ``dropout`` is an ``nn.Dropout`` (applied only while it is in training mode), None, or
+        another module, which is called on the weights as the textbook method does.
         """
         if _needs_torch_ops():
             return _plain_attention(query, key, value, mask, dropout, False)
+        heads, lead = (query, key, value, mask), None
+        if isinstance(query, Tensor) and isinstance(key, Tensor) and isinstance(value, Tensor) and query.dim() != 4:
+            *heads, lead = _any_rank.to_heads(query, key, value, mask)
         if dropout is not None and not _is_plain_dropout(dropout):
-            _, weights = torch.ops.fastmha.attention(query, key, value, mask, 0.0, True)
-            weights = dropout(weights)
+            _, weights = torch.ops.fastmha.attention(*heads, 0.0, True)
+            weights = dropout(weights if lead is None else _any_rank.from_heads(weights, lead))  # the caller's rank
             return torch.matmul(weights, value), weights
         p = 0.0
         if isinstance(dropout, nn.Dropout):
             p = _dropout_probability(float(dropout.p), dropout.training)
-        output, weights = torch.ops.fastmha.attention(query, key, value, mask, p if p < 1.0 else 0.0, True)
+        output, weights = torch.ops.fastmha.attention(*heads, p if p < 1.0 else 0.0, True)
         if p >= 1.0:  # nn.Dropout(1.0) drops every weight
-            return output * 0.0, weights * 0.0
+            output, weights = output * 0.0, weights * 0.0
+        if lead is not None:
+            output, weights = _any_rank.from_heads(output, lead), _any_rank.from_heads(weights, lead)
         return output, weights
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None) -> Tensor:
@@ -238,11 +289,15 @@ class MultiHeadAttentionBlock(nn.Module):
 
         Where ``mask == 0`` (any dtype, broadcastable to (batch, h, Lq, Lk), e.g. a (batch, 1, 1, Lk) padding
         mask) the score is -1e9 before the softmax. Returns (batch, Lq, d_model) and keeps the post-dropout
-        weights (batch, h, Lq, Lk) in ``attention_scores`` when ``need_weights`` is True.
+        weights (batch, h, Lq, Lk) in ``attention_scores`` when ``need_weights`` is True. An input of batch 1
+        broadcasts against the others' batch.
         """
         p = self._dropout_p()
-        if self._calls_modules if torch.jit.is_scripting() else not self._modules_are_plain():
-            _module_checks.check_block_inputs(q, k, v, self.d_model)
+        # An input of batch 1 takes the module path too, which projects it once and broadcasts its projection.
+        if (self._calls_modules or _broadcasts_batch(q, k, v)) if torch.jit.is_scripting() else \
+                self._takes_module_path(q, k, v):
+            features = self._features if torch.jit.is_scripting() else self._input_features()
+            _module_checks.check_block_inputs(q, k, v, self.d_model, "query", features)
             output, weights = self._attend_through_modules(q, k, v, mask, p)  # drops the weights itself at p >= 1
         else:
             result: Optional[Tuple[Tensor, Tensor]] = None
@@ -262,12 +317,28 @@ class MultiHeadAttentionBlock(nn.Module):
     @torch.jit.unused
     def _modules_are_plain(self) -> bool:
         """Whether the block's op may read the four projections' weights and the dropout's probability without
-        calling them: plain projections (``_is_plain_linear``) and dropout (``_dropout_is_plain``), outside
+        calling them: plain (d_model, d_model) projections (``_is_plain_linear``) and dropout (``_dropout_is_plain``), outside
         torch.func transforms and ONNX exports. A hook (forward, backward, or global), another module in their
         place (a wrapper, a parametrized or biased Linear, a dropout of the user's) or a patched forward makes
         ``forward`` call them instead, as the textbook block does."""
-        return not _needs_torch_ops() and self._dropout_is_plain() and all(
-            _is_plain_linear(linear) for linear in (self.w_q, self.w_k, self.w_v, self.w_o))
+        with _tracer_warnings_hidden():  # the weights' sizes are traced values
+            return not _needs_torch_ops() and self._dropout_is_plain() and all(
+                _is_plain_linear(linear) and tuple(linear.weight.shape) == (self.d_model, self.d_model)
+                for linear in (self.w_q, self.w_k, self.w_v, self.w_o))
+
+    @torch.jit.unused
+    def _input_features(self) -> List[int]:
+        """The features that query, key, value and the merged heads must have for w_q, w_k, w_v and w_o on the
+        module path: a Linear layer's input width (its weight's, which the product uses; a replacement may map
+        another width to d_model, as cross-attention over a wider encoder's output does in the textbook block),
+        -1 (not checked) for a lazy one that has not seen an input yet, d_model for other modules."""
+        return [_input_width(linear, self.d_model) for linear in (self.w_q, self.w_k, self.w_v, self.w_o)]
+
+    @torch.jit.unused
+    def _takes_module_path(self, q: Tensor, k: Tensor, v: Tensor) -> bool:
+        """Whether ``forward`` calls the modules: they are not plain, or an input of batch 1 broadcasts."""
+        with _tracer_warnings_hidden():
+            return not self._modules_are_plain() or _broadcasts_batch(q, k, v)
 
     @torch.jit.unused
     def _takes_torch_ops(self) -> bool:
@@ -285,11 +356,20 @@ class MultiHeadAttentionBlock(nn.Module):
         """``forward``'s result with the projections computed by calling the four modules (so their hooks run),
         around the same attention core as the block's op (which checks the mask and the projected heads). With
         ``p`` >= 1 every weight is dropped before ``w_o``, as in the textbook block (w_o's bias stays)."""
+        queries, keys, values = _expand_batch(
+            _split_heads(_module_checks.check_projected(self.w_q(q), "w_q(query)", self.d_model), self.h),
+            _split_heads(_module_checks.check_projected(self.w_k(k), "w_k(key)", self.d_model), self.h),
+            _split_heads(_module_checks.check_projected(self.w_v(v), "w_v(value)", self.d_model), self.h))
         heads_out, attention_weights = self._attention_core(
-            _split_heads(self.w_q(q), self.h), _split_heads(self.w_k(k), self.h), _split_heads(self.w_v(v), self.h),
-            mask, p, self.need_weights, self.is_causal,
-        )
-        return self.w_o(_merge_heads(heads_out)), attention_weights
+            queries, keys, values, mask, p, self.need_weights, self.is_causal)
+        return self.w_o(self._merged_for_w_o(heads_out)), attention_weights
+
+    def _merged_for_w_o(self, heads_out: Tensor) -> Tensor:
+        """The heads merged to (batch, Lq, d_model), once w_o is known to take d_model features (where it is a
+        Linear layer: a replacement of another input width would fail on the product with an unnamed error)."""
+        width = self._features[3] if torch.jit.is_scripting() else self._input_features()[3]
+        _module_checks.check_w_o_features(width, self.d_model)
+        return _merge_heads(heads_out)
 
     def _attention_core(
         self, queries: Tensor, keys: Tensor, values: Tensor, mask: Optional[Tensor], p: float, need_weights: bool,
@@ -316,9 +396,10 @@ class MultiHeadAttentionBlock(nn.Module):
         self, x: Tensor, key_cache: Optional[Tensor], value_cache: Optional[Tensor], mask: Optional[Tensor], p: float
     ) -> Tuple[Tensor, Tuple[Tensor, Tensor]]:
         """``forward_step`` with the projections computed by calling the modules, as ``forward`` does for them."""
-        queries = _split_heads(self.w_q(x), self.h)  # the modules in forward's order (q, k, v)
-        keys = _split_heads(self.w_k(x), self.h)
-        values = _split_heads(self.w_v(x), self.h)
+        # The modules in forward's order (q, k, v).
+        queries = _split_heads(_module_checks.check_projected(self.w_q(x), "w_q(x)", self.d_model), self.h)
+        keys = _split_heads(_module_checks.check_projected(self.w_k(x), "w_k(x)", self.d_model), self.h)
+        values = _split_heads(_module_checks.check_projected(self.w_v(x), "w_v(x)", self.d_model), self.h)
         _module_checks.check_step_inputs(keys, key_cache, value_cache, mask)
         if key_cache is not None and value_cache is not None:
             keys, values = torch.cat([key_cache, keys], 2), torch.cat([value_cache, values], 2)
@@ -330,7 +411,7 @@ class MultiHeadAttentionBlock(nn.Module):
         if mask is not None:
             visible = (mask != 0) & visible
         heads_out, _ = self._attention_core(queries, keys, values, visible, p, False, False)
-        return self.w_o(_merge_heads(heads_out)), (keys, values)
+        return self.w_o(self._merged_for_w_o(heads_out)), (keys, values)
 
     @torch.jit.unused
     def _forward_reusing_projections(
@@ -403,7 +484,8 @@ class MultiHeadAttentionBlock(nn.Module):
             key_cache, value_cache = cache
         p = self._dropout_p()
         if self._calls_modules if torch.jit.is_scripting() else not self._modules_are_plain():
-            _module_checks.check_block_inputs(x, x, x, self.d_model, "x")
+            width = self._features[0] if torch.jit.is_scripting() else self._input_features()[0]
+            _module_checks.check_block_inputs(x, x, x, self.d_model, "x", [width, width, width])
             return self._step_through_modules(x, key_cache, value_cache, mask, p)
         output, keys, values = torch.ops.fastmha.multi_head_attention_step(
             x, self.w_q.weight, self.w_k.weight, self.w_v.weight, self.w_o.weight, self.h,
@@ -420,6 +502,7 @@ class MultiHeadAttentionBlock(nn.Module):
         self.__dict__.setdefault("_projection_memo", ProjectionMemo())
         self.__dict__.setdefault("_calls_modules", False)
         self.__dict__.setdefault("_calls_dropout", False)
+        self.__dict__.setdefault("_features", [self.d_model] * 4)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, h={self.h}, d_k={self.d_k}, need_weights={self.need_weights}, "

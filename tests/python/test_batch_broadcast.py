@@ -1,0 +1,119 @@
+"""An input of batch 1 broadcasts against the others' batch, as the textbook block's matmuls broadcast it (learned
+queries over a batch of memories, one memory for a batch of queries): outputs, kept weights and gradients against
+the oracle block, on the fused path, the module path and a scripted block."""
+
+import pytest
+import torch
+
+import fastmha
+from oracle import OracleBlock
+
+D_MODEL, H, BATCH = 16, 2, 3
+
+# Which of query, key and value have batch 1.
+SHAPES = {"query": (1, BATCH, BATCH), "memory": (BATCH, 1, 1), "value": (BATCH, BATCH, 1),
+          "query and key": (1, 1, BATCH)}
+
+
+def blocks():
+    torch.manual_seed(0)
+    block = fastmha.MultiHeadAttentionBlock(D_MODEL, H, 0.0).double()
+    oracle = OracleBlock(D_MODEL, H).double()
+    oracle.load_state_dict(block.state_dict())
+    return block, oracle
+
+
+def make_inputs(batches):
+    torch.manual_seed(1)
+    q = torch.randn(batches[0], 4, D_MODEL, dtype=torch.float64)
+    k = torch.randn(batches[1], 6, D_MODEL, dtype=torch.float64)
+    v = torch.randn(batches[2], 6, D_MODEL, dtype=torch.float64)
+    mask = torch.ones(BATCH, 1, 1, 6, dtype=torch.int64)
+    mask[1, ..., 4:] = 0  # padded keys in one batch entry
+    return q, k, v, mask
+
+
+def forward_and_grads(module, q, k, v, mask, params):
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = module(*inputs, mask)
+    weights = module.attention_scores if isinstance(module, fastmha.MultiHeadAttentionBlock) else out[1]
+    out = out if isinstance(module, fastmha.MultiHeadAttentionBlock) else out[0]
+    (out.sin().sum() + weights.square().sum()).backward()
+    return out, weights, [t.grad for t in inputs] + [p.grad for p in params]
+
+
+@pytest.mark.parametrize("hooked", [False, True], ids=["fused", "module path"])
+@pytest.mark.parametrize("case", SHAPES)
+def test_batch_one_broadcasts_as_the_oracle(case, hooked):
+    block, oracle = blocks()
+    if hooked:
+        block.w_k.register_forward_hook(lambda module, args, output: None)
+    q, k, v, mask = make_inputs(SHAPES[case])
+    out, weights, grads = forward_and_grads(block, q, k, v, mask, [block.w_q.weight, block.w_o.weight])
+    want, want_weights, want_grads = forward_and_grads(oracle, q, k, v, mask, [oracle.w_q.weight, oracle.w_o.weight])
+    assert out.shape == (BATCH, 4, D_MODEL) and weights.shape == (BATCH, H, 4, 6)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(weights, want_weights)
+    for got, expected in zip(grads, want_grads):
+        assert got.shape == expected.shape  # a batch-1 input's gradient keeps its batch of 1
+        torch.testing.assert_close(got, expected)
+
+
+def test_batch_one_without_kept_weights_and_in_no_grad():
+    block, oracle = blocks()
+    block.need_weights = False
+    q, k, v, mask = make_inputs(SHAPES["query"])
+    want, _ = oracle(q, k, v, mask)
+    torch.testing.assert_close(block(q, k, v, mask), want)
+    with torch.no_grad():  # twice: the second call may reuse the memory's projections
+        torch.testing.assert_close(block(q, k, v, mask), want)
+        torch.testing.assert_close(block(q, k, v, mask), want)
+
+
+def test_scripted_block_broadcasts_batch_one():
+    block, oracle = blocks()
+    scripted = torch.jit.script(block)
+    q, k, v, mask = make_inputs(SHAPES["memory"])
+    torch.testing.assert_close(scripted(q, k, v, mask), oracle(q, k, v, mask)[0])
+
+
+def test_other_batch_mismatches_are_still_named():
+    block, _ = blocks()
+    q, k, v, mask = make_inputs((2, BATCH, BATCH))
+    with pytest.raises(RuntimeError, match=r"same batch size \(dim 0\), got query \[2, 4, 16\], key \[3, 6, 16\]"):
+        block(q, k, v, mask)
+
+
+def test_batch_one_is_projected_once():
+    # The textbook block projects the batch-1 input as given and broadcasts in the attention products: a hook on
+    # the projection sees the caller's batch of 1, and the projection runs once, not once per batch entry.
+    block, oracle = blocks()
+    seen = []
+    block.w_q.register_forward_hook(lambda module, args, output: seen.append(tuple(args[0].shape)))
+    q, k, v, mask = make_inputs(SHAPES["query"])
+    torch.testing.assert_close(block(q, k, v, mask), oracle(q, k, v, mask)[0])
+    assert seen == [(1, 4, D_MODEL)]
+
+
+def test_batch_one_memory_without_gradients_takes_the_module_path():
+    # No projection memo for a broadcast memory: the block projects it once per call, with the modules.
+    block, oracle = blocks()
+    q, k, v, mask = make_inputs(SHAPES["memory"])
+    with torch.no_grad():
+        for _ in range(2):
+            with torch.profiler.profile() as prof:
+                out = block(q, k, v, mask)
+            names = {event.name for event in prof.events()}
+            assert "fastmha::attention" in names and "fastmha::multi_head_attention" not in names
+            torch.testing.assert_close(out, oracle(q, k, v, mask)[0])
+
+
+def test_batch_mismatches_name_the_callers_shapes():
+    block, _ = blocks()
+    q, k, v, mask = make_inputs((1, BATCH, 2))
+    for hooked in (False, True):  # the op's check, and the module path's
+        if hooked:
+            block.w_q.register_forward_hook(lambda module, args, output: None)
+        with pytest.raises(RuntimeError, match=r"same batch size \(dim 0\)(, or 1)?, got query \[1, 4, 16\], "
+                                               r"key \[3, 6, 16\], value \[2, 6, 16\]"):
+            block(q, k, v, mask)
