@@ -40,17 +40,18 @@ def to_heads(query: Tensor, key: Tensor, value: Tensor,
              mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], List[int]]:
     """(query, key, value, mask) as the op's (batch, 1, L, d) tensors and a mask that broadcasts to their scores,
     and the leading dims to restore. Views where the layout allows (always for rank 2 and 3)."""
-    check_any_rank(query, key, value, mask)
     for t, name in ((query, "query"), (key, "key"), (value, "value")):
-        _module_checks.check_dense(t, name)  # before a reshape, which a sparse tensor does not have
+        _module_checks.check_dense(t, name)  # before sizes and a reshape, which sparse and nested tensors lack
+    check_any_rank(query, key, value, mask)
     lead = list(query.shape[:-2])
     batch = math.prod(lead)
     heads = [t.reshape(batch, 1, t.shape[-2], t.shape[-1]) for t in (query, key, value)]
     if mask is not None and mask.dim() > 2:
-        # The mask's leading dims line up with `lead` from the right and must be flattened like the inputs'. Of a
-        # rank-3 mask that is a view; of a longer one with leading dims other than 1, a copy (expanded to `lead`).
+        # The mask's leading dims line up with `lead` from the right and must be flattened like the inputs'. For
+        # rank-3 inputs that is a view; for longer ones, where a leading dim of the mask is not 1, a copy (expanded
+        # to `lead`).
         rows, cols = mask.shape[-2], mask.shape[-1]
-        if mask.dim() == 3:
+        if mask.dim() == 3 and len(lead) == 1:
             mask = mask.unsqueeze(1)
         elif all(size == 1 for size in mask.shape[:-2]):
             mask = mask.reshape(1, 1, rows, cols)

@@ -60,7 +60,7 @@ def check_block_inputs(q: Tensor, k: Tensor, v: Tensor, d_model: int, q_name: st
                                + str(x.device))
         if x.dim() != 3:
             raise RuntimeError("fastmha: " + name + " must be 3-D " + layouts[i] + ", got shape " + shape(x))
-        expected = d_model if features is None else features[i]
+        expected = d_model if features is None else features[i]  # -1: not checked
         if expected == d_model and x.shape[2] != d_model:
             raise RuntimeError("fastmha: " + name + " must have d_model = " + str(d_model)
                                + " features (last dim), got shape " + shape(x))
@@ -76,6 +76,17 @@ def check_block_inputs(q: Tensor, k: Tensor, v: Tensor, d_model: int, q_name: st
     if k.shape[1] != v.shape[1]:
         raise RuntimeError("fastmha: key and value must have the same length (dim 1), got key " + shape(k)
                            + ", value " + shape(v))
+
+
+def check_step_widths(x: Tensor, widths: List[int], d_model: int) -> None:
+    """A decoding step's x goes to w_q, w_k and w_v: it must have the features of each that says (``widths``, -1
+    where the module does not say)."""
+    for i in range(3):
+        if widths[i] >= 0 and x.shape[2] != widths[i]:
+            size = "d_model = " + str(d_model) if widths[i] == d_model else str(widths[i])
+            where = "" if widths[i] == d_model else ", the input width of w_" + "qkv"[i]
+            raise RuntimeError("fastmha: x must have " + size + " features (last dim)" + where + ", got shape "
+                               + shape(x))
 
 
 def check_projected(projected: Tensor, name: str, d_model: int) -> Tensor:

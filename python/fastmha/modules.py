@@ -1,10 +1,9 @@
 """fastmha.MultiHeadAttentionBlock: a drop-in for the textbook MultiHeadAttentionBlock(d_model, h, dropout)."""
 
-import contextlib
 import math
 import numbers
 import warnings
-from typing import Iterator, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +16,7 @@ from . import _C
 from . import _any_rank, _module_checks
 from ._projection_memo import ProjectionMemo, can_hold
 
+_T = TypeVar("_T")
 _HALF_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -71,19 +71,29 @@ def _runs_its_class_forward(module: nn.Module) -> bool:
                                  and getattr(own, "__self__", None) is module)))
 
 
-def _is_plain_linear(module: nn.Module) -> bool:
-    """A bias-free ``nn.Linear`` with a plain weight (not a tensor subclass) that runs its class's forward: the op
-    may read its weight instead of calling it."""
-    return (type(module) is nn.Linear and module.bias is None and type(module.weight) in _PLAIN_WEIGHT_TYPES
+def _is_plain_linear(module: nn.Module, d_model: int) -> bool:
+    """A bias-free ``nn.Linear`` with a plain (d_model, d_model) weight (not a tensor subclass) that runs its class's
+    forward: the op may read its weight instead of calling it."""
+    if type(module) is not nn.Linear or module.bias is not None:
+        return False
+    weight = module.weight
+    return (type(weight) in _PLAIN_WEIGHT_TYPES and weight.shape == (d_model, d_model)
             and _runs_its_class_forward(module))
 
 
-def _input_width(module: nn.Module, d_model: int) -> int:
-    """The features a projection module takes: a Linear layer's weight's, -1 for a lazy one before its first
-    input (it takes any), d_model for other modules (wrappers)."""
-    if isinstance(module, nn.Linear):
-        return -1 if nn.parameter.is_lazy(module.weight) else int(module.weight.shape[-1])
-    return d_model
+def _input_width(module: nn.Module) -> int:
+    """The features a projection module takes, where its weight says: a Linear layer's (out_features, width)
+    weight, which the product uses. -1 (not checked; the module's output is) for other modules (wrappers) and
+    for weights that do not say: a lazy Linear before its first input, a weight held elsewhere until a hook
+    gathers it (sharded training), a packed one."""
+    if not isinstance(module, nn.Linear):
+        return -1
+    weight = module.weight
+    if isinstance(weight, nn.parameter.UninitializedParameter) or not isinstance(weight, Tensor):
+        return -1
+    if weight.dim() != 2 or weight.shape[0] != module.out_features:
+        return -1
+    return int(weight.shape[1])
 
 
 def _is_plain_dropout(module: nn.Module) -> bool:
@@ -91,16 +101,15 @@ def _is_plain_dropout(module: nn.Module) -> bool:
     return type(module) in (nn.Dropout, nn.Identity) and _runs_its_class_forward(module)
 
 
-@contextlib.contextmanager
-def _tracer_warnings_hidden() -> Iterator[None]:
-    """Under torch.jit.trace, sizes that decide the block's path are traced values and the trace keeps the path
-    taken, as it keeps the modules it recorded: the tracer's warnings about them are not shown."""
+def _quiet_when_traced(decide: Callable[[], _T]) -> _T:
+    """``decide()``. Under torch.jit.trace the sizes it reads (the weights', the inputs') are traced values, and the
+    trace keeps the path taken, as it keeps the modules it recorded: the tracer's warnings about them are not
+    shown."""
     if not torch.jit.is_tracing():
-        yield
-        return
+        return decide()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
-        yield
+        return decide()
 
 
 def _needs_torch_ops() -> bool:
@@ -151,12 +160,15 @@ def _broadcasts_batch(q: Tensor, k: Tensor, v: Tensor) -> bool:
     batch mismatches are left to the checks."""
     if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
         return False  # for the op to name
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or q.is_nested or k.is_nested or v.is_nested:
+        return False  # a nested tensor has no sizes to read: the checks name it
+    bq, bk, bv = q.shape[0], k.shape[0], v.shape[0]
+    if bq == bk and bk == bv:
         return False
-    batch = max(q.shape[0], k.shape[0], v.shape[0])
-    ones = int(q.shape[0] == 1) + int(k.shape[0] == 1) + int(v.shape[0] == 1)
-    fulls = int(q.shape[0] == batch) + int(k.shape[0] == batch) + int(v.shape[0] == batch)
-    return batch > 1 and ones > 0 and ones + fulls == 3
+    batch = max(bq, bk, bv)
+    ones = int(bq == 1) + int(bk == 1) + int(bv == 1)
+    fulls = int(bq == batch) + int(bk == batch) + int(bv == batch)
+    return ones > 0 and ones + fulls == 3
 
 
 def _expand_batch(q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
@@ -317,28 +329,30 @@ class MultiHeadAttentionBlock(nn.Module):
     @torch.jit.unused
     def _modules_are_plain(self) -> bool:
         """Whether the block's op may read the four projections' weights and the dropout's probability without
-        calling them: plain (d_model, d_model) projections (``_is_plain_linear``) and dropout (``_dropout_is_plain``), outside
-        torch.func transforms and ONNX exports. A hook (forward, backward, or global), another module in their
-        place (a wrapper, a parametrized or biased Linear, a dropout of the user's) or a patched forward makes
-        ``forward`` call them instead, as the textbook block does."""
-        with _tracer_warnings_hidden():  # the weights' sizes are traced values
-            return not _needs_torch_ops() and self._dropout_is_plain() and all(
-                _is_plain_linear(linear) and tuple(linear.weight.shape) == (self.d_model, self.d_model)
-                for linear in (self.w_q, self.w_k, self.w_v, self.w_o))
+        calling them: plain (d_model, d_model) projections (``_is_plain_linear``) and dropout
+        (``_dropout_is_plain``), outside torch.func transforms and ONNX exports. A hook (forward, backward, or
+        global), another module in their place (a wrapper, a parametrized or biased Linear, one of another width, a
+        dropout of the user's) or a patched forward makes ``forward`` call them instead, as the textbook block
+        does."""
+        return not _needs_torch_ops() and self._dropout_is_plain() and all(
+            _is_plain_linear(linear, self.d_model) for linear in (self.w_q, self.w_k, self.w_v, self.w_o))
 
     @torch.jit.unused
     def _input_features(self) -> List[int]:
         """The features that query, key, value and the merged heads must have for w_q, w_k, w_v and w_o on the
         module path: a Linear layer's input width (its weight's, which the product uses; a replacement may map
         another width to d_model, as cross-attention over a wider encoder's output does in the textbook block),
-        -1 (not checked) for a lazy one that has not seen an input yet, d_model for other modules."""
-        return [_input_width(linear, self.d_model) for linear in (self.w_q, self.w_k, self.w_v, self.w_o)]
+        -1 (not checked) where the weight does not say (``_input_width``)."""
+        return _quiet_when_traced(lambda: [_input_width(m) for m in (self.w_q, self.w_k, self.w_v, self.w_o)])
 
     @torch.jit.unused
     def _takes_module_path(self, q: Tensor, k: Tensor, v: Tensor) -> bool:
         """Whether ``forward`` calls the modules: they are not plain, or an input of batch 1 broadcasts."""
-        with _tracer_warnings_hidden():
-            return not self._modules_are_plain() or _broadcasts_batch(q, k, v)
+        return _quiet_when_traced(lambda: not self._modules_are_plain() or _broadcasts_batch(q, k, v))
+
+    @torch.jit.unused
+    def _step_takes_module_path(self) -> bool:
+        return _quiet_when_traced(lambda: not self._modules_are_plain())
 
     @torch.jit.unused
     def _takes_torch_ops(self) -> bool:
@@ -483,9 +497,10 @@ class MultiHeadAttentionBlock(nn.Module):
         if cache is not None:
             key_cache, value_cache = cache
         p = self._dropout_p()
-        if self._calls_modules if torch.jit.is_scripting() else not self._modules_are_plain():
-            width = self._features[0] if torch.jit.is_scripting() else self._input_features()[0]
-            _module_checks.check_block_inputs(x, x, x, self.d_model, "x", [width, width, width])
+        if self._calls_modules if torch.jit.is_scripting() else self._step_takes_module_path():
+            widths = self._features if torch.jit.is_scripting() else self._input_features()
+            _module_checks.check_block_inputs(x, x, x, self.d_model, "x", [-1, -1, -1])
+            _module_checks.check_step_widths(x, widths, self.d_model)
             return self._step_through_modules(x, key_cache, value_cache, mask, p)
         output, keys, values = torch.ops.fastmha.multi_head_attention_step(
             x, self.w_q.weight, self.w_k.weight, self.w_v.weight, self.w_o.weight, self.h,

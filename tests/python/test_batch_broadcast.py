@@ -117,3 +117,11 @@ def test_batch_mismatches_name_the_callers_shapes():
         with pytest.raises(RuntimeError, match=r"same batch size \(dim 0\)(, or 1)?, got query \[1, 4, 16\], "
                                                r"key \[3, 6, 16\], value \[2, 6, 16\]"):
             block(q, k, v, mask)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+def test_nested_inputs_are_named():
+    block, _ = blocks()
+    nested = torch.nested.nested_tensor([torch.randn(4, D_MODEL), torch.randn(6, D_MODEL)], dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"query must be a dense \(strided\) tensor"):
+        block(nested, nested, nested)

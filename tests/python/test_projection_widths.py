@@ -161,3 +161,49 @@ def test_decoding_steps_with_other_input_widths():
     torch.testing.assert_close(torch.cat(steps, 1), full)
     with pytest.raises(RuntimeError, match=r"x must have 24 features \(last dim\), the input width of w_q"):
         block.forward_step(torch.randn(2, 1, 16, dtype=torch.float64))
+
+
+def test_a_wrapper_of_another_width_is_taken():
+    # A module that is not a Linear layer says nothing of its input width: its output is checked instead.
+    block, oracle = blocks(WIDTHS["wider memory"])
+    block.w_k = nn.Sequential(block.w_k)
+    q, k, v, mask = inputs(WIDTHS["wider memory"])
+    torch.testing.assert_close(block(q, k, v, mask), oracle(q, k, v, mask)[0])
+
+
+def test_a_weight_gathered_by_a_hook_is_not_read_before_the_call():
+    # Sharded training (ZeRO stage 3) leaves each weight empty between calls and gathers it in a forward pre-hook:
+    # its width is unknown until the module runs, so only the module's output is checked.
+    block, oracle = blocks((16, 16, 16, 16))
+    for linear in (block.w_q, block.w_k, block.w_v, block.w_o):
+        full = linear.weight.data
+        linear.weight.data = torch.empty(0, dtype=full.dtype)
+        linear.register_forward_pre_hook(lambda module, args, full=full: setattr(module.weight, "data", full))
+        linear.register_forward_hook(
+            lambda module, args, output: setattr(module.weight, "data", torch.empty(0, dtype=output.dtype)))
+    q, k, v, mask = inputs((16, 16, 16, 16))
+    torch.testing.assert_close(block(q, k, v, mask), oracle(q, k, v, mask)[0])
+    assert block.w_q.weight.numel() == 0  # gathered and released again
+
+
+def test_a_step_checks_x_against_each_projection():
+    block, _ = blocks((24, 16, 16, 16))  # only w_q takes 24 features: no x fits all three
+    with pytest.raises(RuntimeError, match=r"x must have d_model = 16 features \(last dim\), got shape \[2, 1, 24\]"):
+        block.forward_step(torch.randn(2, 1, 24, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("case", ["biased", "wider memory", "batch 1"])
+def test_module_paths_compile_to_one_graph(case):
+    # torch.compile(fullgraph=True) through the module path: the path's checks and width reads must not break
+    # the graph.
+    widths = WIDTHS["wider memory"] if case == "wider memory" else (16, 16, 16, 16)
+    block, oracle = blocks(widths)
+    q, k, v, mask = inputs(widths)
+    if case == "biased":
+        block.w_k = nn.Linear(D_MODEL, D_MODEL, bias=True).double()
+        oracle.w_k = nn.Linear(D_MODEL, D_MODEL, bias=True).double()
+        oracle.load_state_dict(block.state_dict())
+    if case == "batch 1":
+        q = q[:1]
+    compiled = torch.compile(block, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(q, k, v, mask), oracle(q, k, v, mask)[0])

@@ -23,6 +23,8 @@ CASES = {
     "rank 5 per-batch mask": ([2, 3, 2], (3, 1, 5, 7)),
     "rank 5 broadcast mask": ([2, 3, 2], (1, 1, 1, 7)),
     "rank 5 full mask": ([2, 3, 2], (2, 3, 2, 5, 7)),
+    "rank 5 rank-3 mask": ([2, 3, 2], (2, 5, 7)),
+    "rank 5 rank-3 padding": ([2, 3, 2], (2, 1, 7)),
 }
 
 
@@ -155,3 +157,10 @@ def test_sparse_input_of_another_rank_is_named():
     q = torch.randn(3, 5, 4)
     with pytest.raises(RuntimeError, match=r"key must be a dense \(strided\) tensor"):
         attention(q, torch.randn(3, 7, 4).to_sparse(), torch.randn(3, 7, 6), None, None)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+def test_nested_input_of_another_rank_is_named():
+    nested = torch.nested.nested_tensor([torch.randn(5, 4), torch.randn(6, 4)])
+    with pytest.raises(RuntimeError, match=r"query must be a dense \(strided\) tensor"):
+        attention(nested, nested, nested, None, None)
