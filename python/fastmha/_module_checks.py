@@ -29,7 +29,7 @@ def shape(x: Tensor) -> str:
 
 
 def check_dense(x: Tensor, name: str) -> None:
-    if x.layout != torch.strided or (not torch.jit.is_scripting() and x.is_nested):
+    if x.layout != torch.strided or x.is_nested:
         raise RuntimeError("fastmha: " + name + " must be a dense (strided) tensor")
 
 

@@ -86,8 +86,8 @@ def _input_width(module: nn.Module) -> int:
     weight, which the product uses. -1 (not checked; the module's output is) for other modules (wrappers) and
     for weights that do not say: a lazy Linear before its first input, a weight held elsewhere until a hook
     gathers it (sharded training), a packed one."""
-    if not isinstance(module, nn.Linear):
-        return -1
+    if not isinstance(module, nn.Linear) or isinstance(module, nn.modules.lazy.LazyModuleMixin):
+        return -1  # a lazy layer's weight is not read before its first input (torch.compile would keep that read)
     weight = module.weight
     if isinstance(weight, nn.parameter.UninitializedParameter) or not isinstance(weight, Tensor):
         return -1

@@ -125,3 +125,6 @@ def test_nested_inputs_are_named():
     nested = torch.nested.nested_tensor([torch.randn(4, D_MODEL), torch.randn(6, D_MODEL)], dtype=torch.float64)
     with pytest.raises(RuntimeError, match=r"query must be a dense \(strided\) tensor"):
         block(nested, nested, nested)
+    block.w_k = torch.nn.Linear(D_MODEL, D_MODEL, bias=True).double()  # the module path, scripted
+    with pytest.raises(Exception, match=r"query must be a dense \(strided\) tensor"):  # torch.jit.Error
+        torch.jit.script(block)(nested, nested, nested)

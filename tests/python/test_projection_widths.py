@@ -2,6 +2,8 @@
 wider encoder (w_k, w_v: Linear(24, d_model)), queries of another width, an output projection to another width.
 The block calls its modules then, against the oracle block holding the same modules."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -207,3 +209,17 @@ def test_module_paths_compile_to_one_graph(case):
         q = q[:1]
     compiled = torch.compile(block, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(q, k, v, mask), oracle(q, k, v, mask)[0])
+
+
+def test_a_lazy_projection_compiles():
+    # A lazy layer's weight is not read before its first input: a compiled block with one runs as eager does.
+    torch.manual_seed(0)
+    eager = fastmha.MultiHeadAttentionBlock(D_MODEL, H, 0.0).double()
+    eager.w_k, eager.w_v = nn.LazyLinear(D_MODEL, bias=False).double(), nn.LazyLinear(D_MODEL, bias=False).double()
+    compiled_block = copy.deepcopy(eager)
+    q, k, v, mask = inputs(WIDTHS["wider memory"])
+    torch.manual_seed(1)  # the lazy layers initialise their weights from the same random state
+    got = torch.compile(compiled_block, backend="eager")(q, k, v, mask)
+    torch.manual_seed(1)
+    torch.testing.assert_close(got, eager(q, k, v, mask))
+    torch.testing.assert_close(compiled_block.w_k.weight, eager.w_k.weight)
