@@ -219,7 +219,9 @@ def test_a_lazy_projection_compiles():
     compiled_block = copy.deepcopy(eager)
     q, k, v, mask = inputs(WIDTHS["wider memory"])
     torch.manual_seed(1)  # the lazy layers initialise their weights from the same random state
-    got = torch.compile(compiled_block, backend="eager")(q, k, v, mask)
+    # Static shapes: on torch 2.11 a lazy layer cannot initialise under the dynamic sizes that earlier compiles of
+    # the block's forward (other tests) would give it.
+    got = torch.compile(compiled_block, backend="eager", dynamic=False)(q, k, v, mask)
     torch.manual_seed(1)
     torch.testing.assert_close(got, eager(q, k, v, mask))
     torch.testing.assert_close(compiled_block.w_k.weight, eager.w_k.weight)
