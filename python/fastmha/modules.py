@@ -310,6 +310,7 @@ class MultiHeadAttentionBlock(nn.Module):
                 self._takes_module_path(q, k, v):
             features = self._features if torch.jit.is_scripting() else self._input_features()
             _module_checks.check_block_inputs(q, k, v, self.d_model, "query", features)
+            _module_checks.check_w_o_features(features[3], self.d_model)
             output, weights = self._attend_through_modules(q, k, v, mask, p)  # drops the weights itself at p >= 1
         else:
             result: Optional[Tuple[Tensor, Tensor]] = None
@@ -370,20 +371,16 @@ class MultiHeadAttentionBlock(nn.Module):
         """``forward``'s result with the projections computed by calling the four modules (so their hooks run),
         around the same attention core as the block's op (which checks the mask and the projected heads). With
         ``p`` >= 1 every weight is dropped before ``w_o``, as in the textbook block (w_o's bias stays)."""
-        queries, keys, values = _expand_batch(
-            _split_heads(_module_checks.check_projected(self.w_q(q), "w_q(query)", self.d_model), self.h),
-            _split_heads(_module_checks.check_projected(self.w_k(k), "w_k(key)", self.d_model), self.h),
-            _split_heads(_module_checks.check_projected(self.w_v(v), "w_v(value)", self.d_model), self.h))
+        queries, keys, values = _expand_batch(self._heads_of(self.w_q(q), "w_q(query)"),
+                                              self._heads_of(self.w_k(k), "w_k(key)"),
+                                              self._heads_of(self.w_v(v), "w_v(value)"))
         heads_out, attention_weights = self._attention_core(
             queries, keys, values, mask, p, self.need_weights, self.is_causal)
-        return self.w_o(self._merged_for_w_o(heads_out)), attention_weights
+        return self.w_o(_merge_heads(heads_out)), attention_weights
 
-    def _merged_for_w_o(self, heads_out: Tensor) -> Tensor:
-        """The heads merged to (batch, Lq, d_model), once w_o is known to take d_model features (where it is a
-        Linear layer: a replacement of another input width would fail on the product with an unnamed error)."""
-        width = self._features[3] if torch.jit.is_scripting() else self._input_features()[3]
-        _module_checks.check_w_o_features(width, self.d_model)
-        return _merge_heads(heads_out)
+    def _heads_of(self, projected: Tensor, name: str) -> Tensor:
+        """A projection module's output (batch, L, d_model), checked, as h heads of d_k."""
+        return _split_heads(_module_checks.check_projected(projected, name, self.d_model), self.h)
 
     def _attention_core(
         self, queries: Tensor, keys: Tensor, values: Tensor, mask: Optional[Tensor], p: float, need_weights: bool,
@@ -411,9 +408,9 @@ class MultiHeadAttentionBlock(nn.Module):
     ) -> Tuple[Tensor, Tuple[Tensor, Tensor]]:
         """``forward_step`` with the projections computed by calling the modules, as ``forward`` does for them."""
         # The modules in forward's order (q, k, v).
-        queries = _split_heads(_module_checks.check_projected(self.w_q(x), "w_q(x)", self.d_model), self.h)
-        keys = _split_heads(_module_checks.check_projected(self.w_k(x), "w_k(x)", self.d_model), self.h)
-        values = _split_heads(_module_checks.check_projected(self.w_v(x), "w_v(x)", self.d_model), self.h)
+        queries = self._heads_of(self.w_q(x), "w_q(x)")
+        keys = self._heads_of(self.w_k(x), "w_k(x)")
+        values = self._heads_of(self.w_v(x), "w_v(x)")
         _module_checks.check_step_inputs(keys, key_cache, value_cache, mask)
         if key_cache is not None and value_cache is not None:
             keys, values = torch.cat([key_cache, keys], 2), torch.cat([value_cache, values], 2)
@@ -425,7 +422,7 @@ class MultiHeadAttentionBlock(nn.Module):
         if mask is not None:
             visible = (mask != 0) & visible
         heads_out, _ = self._attention_core(queries, keys, values, visible, p, False, False)
-        return self.w_o(self._merged_for_w_o(heads_out)), (keys, values)
+        return self.w_o(_merge_heads(heads_out)), (keys, values)
 
     @torch.jit.unused
     def _forward_reusing_projections(
@@ -501,6 +498,7 @@ class MultiHeadAttentionBlock(nn.Module):
             widths = self._features if torch.jit.is_scripting() else self._input_features()
             _module_checks.check_block_inputs(x, x, x, self.d_model, "x", [-1, -1, -1])
             _module_checks.check_step_widths(x, widths, self.d_model)
+            _module_checks.check_w_o_features(widths[3], self.d_model)
             return self._step_through_modules(x, key_cache, value_cache, mask, p)
         output, keys, values = torch.ops.fastmha.multi_head_attention_step(
             x, self.w_q.weight, self.w_k.weight, self.w_v.weight, self.w_o.weight, self.h,
