@@ -171,9 +171,15 @@ def _broadcasts_batch(q: Tensor, k: Tensor, v: Tensor) -> bool:
     return ones > 0 and ones + fulls == 3
 
 
-def _expand_batch(q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    """Projected heads (batch or 1, h, L, d_k) of batch 1 expanded (a view) to the others' batch."""
-    batch = max(q.shape[0], k.shape[0], v.shape[0])
+def _repeats_one_entry(x: Tensor) -> bool:
+    """Whether ``x`` (batch, L, d) repeats one entry along a batch of more than 1 without copies (an expanded
+    memory: stride 0) and no gradient is asked of it (one asked of an input is per entry)."""
+    return (isinstance(x, Tensor) and not x.is_nested and x.dim() == 3 and x.shape[0] > 1 and x.stride(0) == 0
+            and not (x.requires_grad and torch.is_grad_enabled()))
+
+
+def _expand_batch(q: Tensor, k: Tensor, v: Tensor, batch: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """Projected heads (batch or 1, h, L, d_k) of batch 1 expanded (a view) to ``batch``."""
     expanded = [x.expand(batch, -1, -1, -1) if x.shape[0] != batch else x for x in (q, k, v)]
     return expanded[0], expanded[1], expanded[2]
 
@@ -273,22 +279,29 @@ class MultiHeadAttentionBlock(nn.Module):
     ) -> Tuple[Tensor, Tensor]:
         """The textbook static method: inputs (batch, h, seq, d_k); returns (weights @ value, weights).
 
-        Inputs of another rank from 2 up, (..., seq, d_k) with the same leading dims, are taken as the textbook's
-        matmuls take them. ``dropout`` is an ``nn.Dropout`` (applied only while it is in training mode), None, or
+        Inputs of any rank from 2 up, (..., seq, d_k) with leading dims that broadcast (keys and values shared by
+        the heads, say), are taken as the textbook's matmuls take them. ``dropout`` is an ``nn.Dropout`` (applied only while it is in training mode), None, or
         another module, which is called on the weights as the textbook method does.
         """
         if _needs_torch_ops():
             return _plain_attention(query, key, value, mask, dropout, False)
-        heads, lead = (query, key, value, mask), None
-        if isinstance(query, Tensor) and isinstance(key, Tensor) and isinstance(value, Tensor) and query.dim() != 4:
-            *heads, lead = _any_rank.to_heads(query, key, value, mask)
-        if dropout is not None and not _is_plain_dropout(dropout):
-            _, weights = torch.ops.fastmha.attention(*heads, 0.0, True)
-            weights = dropout(weights if lead is None else _any_rank.from_heads(weights, lead))  # the caller's rank
-            return torch.matmul(weights, value), weights
+        heads, lead, wider_value = (query, key, value, mask), None, False
+        if _any_rank.reshapes(query, key, value):
+            *heads, lead, wider_value = _any_rank.to_heads(query, key, value, mask)
+        calls_dropout = dropout is not None and not _is_plain_dropout(dropout)
         p = 0.0
-        if isinstance(dropout, nn.Dropout):
+        if isinstance(dropout, nn.Dropout) and not calls_dropout:
             p = _dropout_probability(float(dropout.p), dropout.training)
+        if calls_dropout or wider_value:
+            # The weights from the op (dropped by it, or by the user's module in the caller's rank), times the value
+            # as the caller gave it: a value with wider leading dims broadcasts the weights, as the textbook's does.
+            _, weights = torch.ops.fastmha.attention(*heads, p if p < 1.0 else 0.0, True)
+            weights = weights if lead is None else _any_rank.from_heads(weights, lead)
+            if calls_dropout and dropout is not None:
+                weights = dropout(weights)
+            elif p >= 1.0:
+                weights = weights * 0.0
+            return torch.matmul(weights, value), weights
         output, weights = torch.ops.fastmha.attention(*heads, p if p < 1.0 else 0.0, True)
         if p >= 1.0:  # nn.Dropout(1.0) drops every weight
             output, weights = output * 0.0, weights * 0.0
@@ -348,8 +361,20 @@ class MultiHeadAttentionBlock(nn.Module):
 
     @torch.jit.unused
     def _takes_module_path(self, q: Tensor, k: Tensor, v: Tensor) -> bool:
-        """Whether ``forward`` calls the modules: they are not plain, or an input of batch 1 broadcasts."""
-        return _quiet_when_traced(lambda: not self._modules_are_plain() or _broadcasts_batch(q, k, v))
+        """Whether ``forward`` calls the modules: they are not plain, or an input of batch 1 broadcasts, or one
+        repeats an entry along its batch (projected once there)."""
+        return _quiet_when_traced(lambda: not self._modules_are_plain() or _broadcasts_batch(q, k, v) or any(
+            _repeats_one_entry(x) for x in (q, k, v)))
+
+    @torch.jit.unused
+    def _projected_entries(self, x: Tensor, projection: nn.Module) -> Tensor:
+        """The entries of ``x`` that ``projection`` needs: the one that ``x`` repeats along its batch
+        (``_repeats_one_entry``), when the projection is a Linear layer that just runs its class's forward (the
+        rows are then projected once and broadcast, as for an input of batch 1); else ``x`` itself (a hook sees
+        the caller's tensor)."""
+        if _repeats_one_entry(x) and type(projection) is nn.Linear and _runs_its_class_forward(projection):
+            return x[:1]
+        return x
 
     @torch.jit.unused
     def _step_takes_module_path(self) -> bool:
@@ -371,9 +396,13 @@ class MultiHeadAttentionBlock(nn.Module):
         """``forward``'s result with the projections computed by calling the four modules (so their hooks run),
         around the same attention core as the block's op (which checks the mask and the projected heads). With
         ``p`` >= 1 every weight is dropped before ``w_o``, as in the textbook block (w_o's bias stays)."""
+        batch = max(q.shape[0], k.shape[0], v.shape[0])
+        if not torch.jit.is_scripting():
+            q, k, v = self._projected_entries(q, self.w_q), self._projected_entries(k, self.w_k), \
+                self._projected_entries(v, self.w_v)
         queries, keys, values = _expand_batch(self._heads_of(self.w_q(q), "w_q(query)"),
                                               self._heads_of(self.w_k(k), "w_k(key)"),
-                                              self._heads_of(self.w_v(v), "w_v(value)"))
+                                              self._heads_of(self.w_v(v), "w_v(value)"), batch)
         heads_out, attention_weights = self._attention_core(
             queries, keys, values, mask, p, self.need_weights, self.is_causal)
         return self.w_o(_merge_heads(heads_out)), attention_weights

@@ -128,3 +128,60 @@ def test_nested_inputs_are_named():
     block.w_k = torch.nn.Linear(D_MODEL, D_MODEL, bias=True).double()  # the module path, scripted
     with pytest.raises(Exception, match=r"query must be a dense \(strided\) tensor"):  # torch.jit.Error
         torch.jit.script(block)(nested, nested, nested)
+
+
+class ProjectionRows(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the rows of every matrix product torch runs (a projection's is its input's batch * length)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            self.rows.append(args[-2].shape[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("case", ["memory", "query", "all"])
+def test_an_expanded_input_is_projected_once(case):
+    # One entry repeated along the batch without copies (expand: stride 0), as a memory shared by a batch of
+    # queries is often passed: projected once, as an input of batch 1 is, with the same results as the oracle's.
+    block, oracle = blocks()
+    q, k, v, mask = make_inputs({"memory": (BATCH, 1, 1), "query": (1, BATCH, BATCH), "all": (1, 1, 1)}[case])
+    q, k, v = [x.expand(BATCH, -1, -1) for x in (q, k, v)]
+    originals = [x.clone() for x in (q, k, v)]
+    with torch.no_grad():
+        want, want_weights = oracle(q, k, v, mask)
+        block.w_q.register_forward_pre_hook(lambda module, args: None)  # hooks see what the caller passed
+        shapes = []
+        block.w_v.register_forward_pre_hook(lambda module, args: shapes.append(tuple(args[0].shape)))
+        torch.testing.assert_close(block(q, k, v, mask), want)
+        assert shapes == [(BATCH, 6, D_MODEL)]
+        block._forward_pre_hooks.clear()
+        block, _ = blocks()
+        with ProjectionRows() as recorder:
+            out = block(q, k, v, mask)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(block.attention_scores, want_weights)
+    assert block.attention_scores.shape == (BATCH, H, 4, 6)
+    repeated = [x.stride(0) == 0 for x in (q, k, v)]
+    assert sorted(recorder.rows[:3]) == sorted([(1 if r else BATCH) * x.shape[1] for r, x in zip(repeated, (q, k, v))])
+    for before, after in zip(originals, (q, k, v)):
+        assert torch.equal(before, after)
+
+
+def test_an_expanded_input_that_asks_a_gradient_keeps_its_own():
+    # A gradient asked of the expanded tensor itself is per entry: the block projects every entry.
+    block, oracle = blocks()
+    q, k, v, mask = make_inputs((BATCH, 1, 1))
+    grads = []
+    for module in (block, oracle):
+        memory = k.clone().requires_grad_()
+        expanded = memory.expand(BATCH, -1, -1)
+        expanded.retain_grad()
+        out = module(q, expanded, expanded, mask)
+        (out if isinstance(out, torch.Tensor) else out[0]).sin().sum().backward()
+        grads.append((memory.grad, expanded.grad))
+    torch.testing.assert_close(grads[0][0], grads[1][0])
+    torch.testing.assert_close(grads[0][1], grads[1][1])
