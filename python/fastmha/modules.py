@@ -173,9 +173,12 @@ def _broadcasts_batch(q: Tensor, k: Tensor, v: Tensor) -> bool:
 
 def _repeats_one_entry(x: Tensor) -> bool:
     """Whether ``x`` (batch, L, d) repeats one entry along a batch of more than 1 without copies (an expanded
-    memory: stride 0) and no gradient is asked of it (one asked of an input is per entry)."""
-    return (isinstance(x, Tensor) and not x.is_nested and x.dim() == 3 and x.shape[0] > 1 and x.stride(0) == 0
-            and not (x.requires_grad and torch.is_grad_enabled()))
+    memory: stride 0) and no gradient is asked of it (one asked of an input is per entry). Never while a graph is
+    recorded for other inputs (torch.export, torch.jit.trace, ONNX export): it keeps no check of the strides."""
+    if torch.jit.is_tracing() or torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export():
+        return False
+    return (isinstance(x, Tensor) and x.layout == torch.strided and not x.is_nested and x.dim() == 3
+            and x.shape[0] > 1 and x.stride(0) == 0 and not (x.requires_grad and torch.is_grad_enabled()))
 
 
 def _expand_batch(q: Tensor, k: Tensor, v: Tensor, batch: int) -> Tuple[Tensor, Tensor, Tensor]:

@@ -158,7 +158,6 @@ def test_an_expanded_input_is_projected_once(case):
         block.w_v.register_forward_pre_hook(lambda module, args: shapes.append(tuple(args[0].shape)))
         torch.testing.assert_close(block(q, k, v, mask), want)
         assert shapes == [(BATCH, 6, D_MODEL)]
-        block._forward_pre_hooks.clear()
         block, _ = blocks()
         with ProjectionRows() as recorder:
             out = block(q, k, v, mask)
@@ -185,3 +184,28 @@ def test_an_expanded_input_that_asks_a_gradient_keeps_its_own():
         grads.append((memory.grad, expanded.grad))
     torch.testing.assert_close(grads[0][0], grads[1][0])
     torch.testing.assert_close(grads[0][1], grads[1][1])
+
+
+@pytest.mark.filterwarnings("ignore:The tensor attribute self.attention_scores was assigned during export")
+@pytest.mark.parametrize("recorder", ["export", "trace"])
+def test_a_graph_recorded_on_an_expanded_input_serves_any_input(recorder):
+    # A recorded graph keeps no check of its inputs' strides: one recorded on an expanded memory must not project
+    # its first entry only for a memory of distinct entries.
+    block, _ = blocks()
+    q, k, _, mask = make_inputs((BATCH, 1, 1))
+    expanded, memory = k.expand(BATCH, -1, -1), torch.randn(BATCH, 6, D_MODEL, dtype=torch.float64)
+    with torch.no_grad():
+        if recorder == "export":
+            recorded = torch.export.export(block, (q, expanded, expanded, mask)).module()
+        else:
+            recorded = torch.jit.trace(block, (q, expanded, expanded, mask))
+        torch.testing.assert_close(recorded(q, memory, memory, mask), block(q, memory, memory, mask))
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
+def test_sparse_compressed_inputs_are_named():
+    block, _ = blocks()
+    x = torch.randn(BATCH, 4, D_MODEL, dtype=torch.float64)
+    for sparse in (x.to_sparse_csr(), x.to_sparse_coo()):
+        with pytest.raises(RuntimeError, match=r"key must be a dense \(strided\) tensor"):
+            block(x, sparse, sparse)
