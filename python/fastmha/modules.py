@@ -173,12 +173,23 @@ def _broadcasts_batch(q: Tensor, k: Tensor, v: Tensor) -> bool:
 
 def _repeats_one_entry(x: Tensor) -> bool:
     """Whether ``x`` (batch, L, d) repeats one entry along a batch of more than 1 without copies (an expanded
-    memory: stride 0) and no gradient is asked of it (one asked of an input is per entry). Never while a graph is
-    recorded for other inputs (torch.export, torch.jit.trace, ONNX export): it keeps no check of the strides."""
+    memory: stride 0) and no gradient is asked of it (one asked of an input is per entry)."""
+    return (x.layout == torch.strided and not x.is_nested and x.dim() == 3 and x.shape[0] > 1 and x.stride(0) == 0
+            and not (x.requires_grad and torch.is_grad_enabled()))
+
+
+def _first_if_repeated(x: Tensor) -> Tensor:
+    """``x``'s first entry where it repeats one along its batch (``_repeats_one_entry``), else ``x``."""
+    return x[:1] if _repeats_one_entry(x) else x
+
+
+@torch.jit.unused
+def _repeats_in_eager(x: object) -> bool:
+    """``_repeats_one_entry`` for a tensor outside a recorded graph (torch.export, torch.jit.trace, ONNX export),
+    which keeps no check of strides: a graph recorded on an expanded memory would project the first entry of any."""
     if torch.jit.is_tracing() or torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export():
         return False
-    return (isinstance(x, Tensor) and x.layout == torch.strided and not x.is_nested and x.dim() == 3
-            and x.shape[0] > 1 and x.stride(0) == 0 and not (x.requires_grad and torch.is_grad_enabled()))
+    return isinstance(x, Tensor) and _repeats_one_entry(x)
 
 
 def _expand_batch(q: Tensor, k: Tensor, v: Tensor, batch: int) -> Tuple[Tensor, Tensor, Tensor]:
@@ -321,8 +332,10 @@ class MultiHeadAttentionBlock(nn.Module):
         broadcasts against the others' batch.
         """
         p = self._dropout_p()
-        # An input of batch 1 takes the module path too, which projects it once and broadcasts its projection.
-        if (self._calls_modules or _broadcasts_batch(q, k, v)) if torch.jit.is_scripting() else \
+        # An input of batch 1, or one expanded along its batch, takes the module path too, which projects its entry
+        # once and broadcasts the projection.
+        if (self._calls_modules or _broadcasts_batch(q, k, v) or _repeats_one_entry(q) or _repeats_one_entry(k)
+                or _repeats_one_entry(v)) if torch.jit.is_scripting() else \
                 self._takes_module_path(q, k, v):
             features = self._features if torch.jit.is_scripting() else self._input_features()
             _module_checks.check_block_inputs(q, k, v, self.d_model, "query", features)
@@ -367,7 +380,7 @@ class MultiHeadAttentionBlock(nn.Module):
         """Whether ``forward`` calls the modules: they are not plain, or an input of batch 1 broadcasts, or one
         repeats an entry along its batch (projected once there)."""
         return _quiet_when_traced(lambda: not self._modules_are_plain() or _broadcasts_batch(q, k, v) or any(
-            _repeats_one_entry(x) for x in (q, k, v)))
+            _repeats_in_eager(x) for x in (q, k, v)))
 
     @torch.jit.unused
     def _projected_entries(self, x: Tensor, projection: nn.Module) -> Tensor:
@@ -375,7 +388,7 @@ class MultiHeadAttentionBlock(nn.Module):
         (``_repeats_one_entry``), when the projection is a Linear layer that just runs its class's forward (the
         rows are then projected once and broadcast, as for an input of batch 1); else ``x`` itself (a hook sees
         the caller's tensor)."""
-        if _repeats_one_entry(x) and type(projection) is nn.Linear and _runs_its_class_forward(projection):
+        if _repeats_in_eager(x) and type(projection) is nn.Linear and _runs_its_class_forward(projection):
             return x[:1]
         return x
 
@@ -403,6 +416,8 @@ class MultiHeadAttentionBlock(nn.Module):
         if not torch.jit.is_scripting():
             q, k, v = self._projected_entries(q, self.w_q), self._projected_entries(k, self.w_k), \
                 self._projected_entries(v, self.w_v)
+        elif not self._calls_modules:  # plain Linear layers: an entry repeated along the batch is projected once
+            q, k, v = _first_if_repeated(q), _first_if_repeated(k), _first_if_repeated(v)
         queries, keys, values = _expand_batch(self._heads_of(self.w_q(q), "w_q(query)"),
                                               self._heads_of(self.w_k(k), "w_k(key)"),
                                               self._heads_of(self.w_v(v), "w_v(value)"), batch)

@@ -209,3 +209,17 @@ def test_sparse_compressed_inputs_are_named():
     for sparse in (x.to_sparse_csr(), x.to_sparse_coo()):
         with pytest.raises(RuntimeError, match=r"key must be a dense \(strided\) tensor"):
             block(x, sparse, sparse)
+
+
+def test_a_scripted_block_projects_an_expanded_input_once():
+    block, oracle = blocks()
+    scripted = torch.jit.script(block)
+    q, k, v, mask = make_inputs((BATCH, 1, 1))
+    k, v = k.expand(BATCH, -1, -1), v.expand(BATCH, -1, -1)
+    with torch.no_grad(), ProjectionRows() as recorder:
+        out = scripted(q, k, v, mask)
+    torch.testing.assert_close(out, oracle(q, k, v, mask)[0])
+    assert sorted(recorder.rows[:3]) == [6, 6, BATCH * 4]
+    memory = torch.randn(BATCH, 6, D_MODEL, dtype=torch.float64)  # distinct entries: each projected
+    with torch.no_grad():
+        torch.testing.assert_close(scripted(q, memory, memory, mask), oracle(q, memory, memory, mask)[0])
