@@ -69,6 +69,27 @@ TEST_CASE("multi_head_attention matches the oracle block, forward and backward",
   }
 }
 
+TEST_CASE("a gradient penalty through multi_head_attention matches the oracle block's (double backward)", "[ops]") {
+  torch::manual_seed(2);
+  const int64_t d_model = 8, heads = 2;
+  auto x = torch::randn({2, 5, d_model}, f64().requires_grad(true));
+  std::vector<at::Tensor> w;
+  for (int i = 0; i < 4; ++i) w.push_back(torch::randn({d_model, d_model}, f64().requires_grad(true)));
+  auto mask = torch::rand({2, 1, 1, 5}) > 0.3;
+  mask.index_put_({torch::indexing::Slice(), 0, 0, 0}, true);  // a visible key in every row
+  const std::vector<at::Tensor> inputs = {x, w[0], w[1], w[2], w[3]};
+  const auto penalty_grads = [&](const at::Tensor& out) {
+    auto first = torch::autograd::grad({out.square().sum()}, {x}, {}, /*retain_graph=*/true, /*create_graph=*/true);
+    return torch::autograd::grad({first[0].square().sum()}, inputs);
+  };
+  auto grads = penalty_grads(std::get<0>(fastmha::multi_head_attention(x, x, x, w[0], w[1], w[2], w[3], heads, mask)));
+  auto ref_grads = penalty_grads(oracle::block(x, x, x, w[0], w[1], w[2], w[3], heads, mask).first);
+  for (size_t i = 0; i < grads.size(); ++i) {
+    INFO("gradient " << i);
+    CHECK(oracle::close(grads[i], ref_grads[i]));
+  }
+}
+
 TEST_CASE("bad inputs raise errors naming the argument", "[ops]") {
   auto x = torch::randn({2, 3, 8});
   auto w = torch::randn({8, 8});

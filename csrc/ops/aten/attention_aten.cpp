@@ -13,7 +13,10 @@ namespace {
 
 at::ScalarType accumulation_type(at::ScalarType t) { return at::toOpMathType(t); }
 
-// Where the scores are overwritten with -1e9: mask == 0, and above the diagonal when causal (top-left).
+at::Tensor no_rng_state(const at::Tensor& query) { return at::zeros({2}, query.options().dtype(at::kLong)); }
+
+}  // namespace
+
 std::optional<at::Tensor> masked_positions(const std::optional<at::Tensor>& mask, bool is_causal,
                                            const at::Tensor& query, const at::Tensor& key) {
   std::optional<at::Tensor> masked;
@@ -27,7 +30,6 @@ std::optional<at::Tensor> masked_positions(const std::optional<at::Tensor>& mask
   return masked;
 }
 
-// scores = query @ key^T / sqrt(d_k), then the masked positions -> -1e9, in the accumulation dtype.
 at::Tensor masked_scores(const at::Tensor& query_acc, const at::Tensor& key_acc,
                          const std::optional<at::Tensor>& masked) {
   auto scores = at::matmul(query_acc, key_acc.transpose(-2, -1));
@@ -37,10 +39,6 @@ at::Tensor masked_scores(const at::Tensor& query_acc, const at::Tensor& key_acc,
   }
   return scores;
 }
-
-at::Tensor no_rng_state(const at::Tensor& query) { return at::zeros({2}, query.options().dtype(at::kLong)); }
-
-}  // namespace
 
 detail::AttentionForwardResult attention_forward(const at::Tensor& query, const at::Tensor& key,
                                                  const at::Tensor& value, const std::optional<at::Tensor>& mask,

@@ -8,6 +8,15 @@
 
 namespace fastmha::aten_impl {
 
+// Where the scores are overwritten with -1e9: mask == 0, and above the diagonal when causal (top-left).
+std::optional<at::Tensor> masked_positions(const std::optional<at::Tensor>& mask, bool is_causal,
+                                           const at::Tensor& query, const at::Tensor& key);
+
+// scores = query @ key^T / sqrt(d_k), then the masked positions -> -1e9, in the inputs' (accumulation) dtype.
+// Differentiable: the in-place steps act on the product, which autograd does not save.
+at::Tensor masked_scores(const at::Tensor& query_acc, const at::Tensor& key_acc,
+                         const std::optional<at::Tensor>& masked);
+
 detail::AttentionForwardResult attention_forward(const at::Tensor& query, const at::Tensor& key,
                                                  const at::Tensor& value, const std::optional<at::Tensor>& mask,
                                                  double dropout_p, bool need_weights, bool is_causal,

@@ -1,10 +1,12 @@
 // Autograd for the attention core, in C++ so TorchScript and C++ callers can train. The forward saves the
 // per-row log-sum-exp and the dropout rng_state; the backward op recomputes the weights from them, or, where they
-// serve it (weights_serve_backward), reads the weights the call kept.
+// serve it (weights_serve_backward), reads the weights the call kept. With create_graph=True the gradients are
+// built from ATen ops instead, so that they can be differentiated again (graph_backward.h).
 #include <torch/autograd.h>
 #include <torch/library.h>
 
 #include "ops/attention_ops.h"
+#include "ops/autograd/graph_backward.h"
 #include "ops/broadcast_mask.h"
 #include "ops/checks.h"
 #include "ops/kernel_choice.h"
@@ -42,6 +44,12 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto mask = detail::optional_if_defined(saved[3]);
+    if (at::GradMode::is_enabled()) {  // create_graph=True: gradients that can be differentiated again
+      auto g = detail::attention_grads_with_graph({saved[0], saved[1], saved[2]}, mask, saved[6],
+                                                  ctx->saved_data["dropout_p"].toDouble(),
+                                                  ctx->saved_data["is_causal"].toBool(), grads[0], grads[1]);
+      return {g[0], g[1], g[2], at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    }
     const auto grad_weights = detail::optional_if_defined(grads[1]);
     const auto grad_output = grads[0].defined() ? grads[0] : at::zeros_like(saved[4]);
     auto [grad_query, grad_key, grad_value] =

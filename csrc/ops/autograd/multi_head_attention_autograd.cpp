@@ -1,10 +1,12 @@
 // Autograd for the whole block, in C++ so TorchScript and C++ callers can train. The forward saves the
 // projections, the merged context, the log-sum-exp and the dropout rng_state; nothing of size Lq x Lk but the
-// weights the call kept, where the backward reads them (weights_serve_backward).
+// weights the call kept, where the backward reads them (weights_serve_backward). With create_graph=True the
+// gradients are built from ATen ops instead, so that they can be differentiated again (graph_backward.h).
 #include <torch/autograd.h>
 #include <torch/library.h>
 
 #include "ops/attention_ops.h"
+#include "ops/autograd/graph_backward.h"
 #include "ops/broadcast_mask.h"
 #include "ops/checks.h"
 #include "ops/heads.h"
@@ -51,6 +53,13 @@ class MultiHeadAttentionFunction : public torch::autograd::Function<MultiHeadAtt
                                                  torch::autograd::variable_list grads) {
     const auto s = ctx->get_saved_variables();
     const auto mask = detail::optional_if_defined(s[13]);
+    if (at::GradMode::is_enabled()) {  // create_graph=True: gradients that can be differentiated again
+      auto g = detail::block_grads_with_graph(
+          {s[0], s[1], s[2], s[3], s[4], s[5], s[6]}, ctx->saved_data["num_heads"].toInt(), mask, s[12],
+          ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["is_causal"].toBool(), grads[0], grads[1]);
+      g.resize(12);  // num_heads, mask, dropout_p, need_weights, is_causal: no gradient
+      return g;
+    }
     const auto grad_weights = detail::optional_if_defined(grads[1]);
     // The output has the merged context's shape and dtype (w_o is d_model x d_model).
     const auto grad_output = grads[0].defined() ? grads[0] : at::zeros_like(s[10]);
