@@ -73,6 +73,8 @@ TORCH_LIBRARY(fastmha, m) {
       "Tensor? mask, Tensor output, Tensor logsumexp, Tensor rng_state, float dropout_p, bool is_causal, "
       "Tensor? weights=None) "
       "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
+  // The dropout multipliers a forward applied, from its rng_state (on the device they are made on).
+  m.def("_dropout_multipliers(SymInt[] sizes, float dropout_p, ScalarType dtype, Tensor rng_state) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fastmha, CompositeExplicitAutograd, m) { m.impl("attention", &attention_composite); }

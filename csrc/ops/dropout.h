@@ -17,12 +17,6 @@ struct DropoutKernels {
   at::Tensor (*replay)(at::IntArrayRef sizes, double p, const at::TensorOptions& options, const at::Tensor& rng_state);
 };
 
-// The multipliers (0 or 1/(1-p)) that the call which drew `rng_state` applied to its weights of `sizes` (the
-// scores' contiguous (batch, h, Lq, Lk) layout), in `options`' dtype and on its device (CPU or CUDA): for the
-// gradients that are recomputed with ATen ops.
-at::Tensor dropout_multipliers(at::IntArrayRef sizes, double p, const at::TensorOptions& options,
-                               const at::Tensor& rng_state);
-
 #ifdef FASTMHA_WITH_CUDA
 DropoutKernels cuda_dropout_kernels();
 // A fresh Philox (seed, offset) from the default CUDA generator of `device`, as int64[2] on that device.

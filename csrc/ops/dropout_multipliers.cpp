@@ -1,8 +1,11 @@
-// The dropout multipliers of a call, again, from its rng_state: the same numbers as the CPU kernels' fused row
-// pass and the CUDA kernels draw (ops/philox.h), as a tensor.
+// fastmha::_dropout_multipliers: the dropout multipliers (0 or 1/(1-p)) that a forward applied to its weights of
+// `sizes` (the scores' contiguous (batch, h, Lq, Lk) layout), again, from its rng_state: the same numbers as the CPU
+// kernels' fused row pass and the CUDA kernels draw (ops/philox.h). The gradients built for a second
+// differentiation multiply by them.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include "ops/dropout.h"
 #include "ops/philox.h"
@@ -10,13 +13,13 @@
 namespace fastmha {
 namespace {
 
-at::Tensor cpu_dropout_multipliers(at::IntArrayRef sizes, double p, const at::TensorOptions& options,
+at::Tensor dropout_multipliers_cpu(c10::SymIntArrayRef sizes, double p, at::ScalarType dtype,
                                    const at::Tensor& rng_state) {
-  auto multipliers = at::empty(sizes, options);
-  const auto state = rng_state.to(at::kCPU, at::kLong).contiguous();
+  auto multipliers = at::empty(C10_AS_INTARRAYREF_SLOW(sizes), at::TensorOptions().dtype(dtype));
+  const auto state = rng_state.to(at::kLong).contiguous();
   const auto seed = static_cast<uint64_t>(state.const_data_ptr<int64_t>()[0]);
   const auto offset = static_cast<uint64_t>(state.const_data_ptr<int64_t>()[1]);
-  AT_DISPATCH_FLOATING_TYPES(multipliers.scalar_type(), "fastmha_dropout_multipliers", [&] {
+  AT_DISPATCH_FLOATING_TYPES(dtype, "fastmha_dropout_multipliers", [&] {
     auto* out = multipliers.data_ptr<scalar_t>();
     const auto scale = static_cast<scalar_t>(1.0 / (1.0 - p));
     at::parallel_for(0, multipliers.numel(), int64_t{1} << 14, [&](int64_t begin, int64_t end) {
@@ -28,17 +31,25 @@ at::Tensor cpu_dropout_multipliers(at::IntArrayRef sizes, double p, const at::Te
   return multipliers;
 }
 
+at::Tensor dropout_multipliers_meta(c10::SymIntArrayRef sizes, double /*p*/, at::ScalarType dtype,
+                                    const at::Tensor& /*rng_state*/) {
+  return at::empty_symint(sizes, at::TensorOptions().dtype(dtype).device(at::kMeta));
+}
+
+#ifdef FASTMHA_WITH_CUDA
+at::Tensor dropout_multipliers_cuda(c10::SymIntArrayRef sizes, double p, at::ScalarType dtype,
+                                    const at::Tensor& rng_state) {
+  return cuda_dropout_kernels().replay(C10_AS_INTARRAYREF_SLOW(sizes), p,
+                                       at::TensorOptions().dtype(dtype).device(rng_state.device()), rng_state);
+}
+#endif
+
 }  // namespace
 
-at::Tensor dropout_multipliers(at::IntArrayRef sizes, double p, const at::TensorOptions& options,
-                               const at::Tensor& rng_state) {
+TORCH_LIBRARY_IMPL(fastmha, CPU, m) { m.impl("_dropout_multipliers", &dropout_multipliers_cpu); }
+TORCH_LIBRARY_IMPL(fastmha, Meta, m) { m.impl("_dropout_multipliers", &dropout_multipliers_meta); }
 #ifdef FASTMHA_WITH_CUDA
-  if (options.device().is_cuda()) {
-    return cuda_dropout_kernels().replay(sizes, p, options, rng_state);
-  }
+TORCH_LIBRARY_IMPL(fastmha, CUDA, m) { m.impl("_dropout_multipliers", &dropout_multipliers_cuda); }
 #endif
-  TORCH_CHECK(options.device().is_cpu(), "fastmha: no dropout multipliers for device ", options.device());
-  return cpu_dropout_multipliers(sizes, p, options, rng_state);
-}
 
 }  // namespace fastmha

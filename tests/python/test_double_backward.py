@@ -124,3 +124,65 @@ def test_hessian_vector_product_of_a_decoding_step(device):
         _, hvp = torch.autograd.functional.hvp(lambda t: step(t).sin().sum(), x, direction)
         products.append(hvp)
     torch.testing.assert_close(products[0], products[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_create_graph_inside_autocast(dtype):
+    # The gradients' ATen ops run in the kernels' dtypes (scores and softmax in float32), not the autocast dtype,
+    # whose -1e9 fill would overflow float16.
+    q, k, v = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3))
+    mask = torch.tensor([1, 1, 0, 1])[None, None, None, :]
+    with torch.autocast("cpu", dtype=dtype):
+        out, _ = torch.ops.fastmha.attention(q, k, v, mask, 0.0, True, True)
+        fused = torch.autograd.grad(out.float().sum(), (q, k, v), retain_graph=True)
+        with_graph = torch.autograd.grad(out.float().sum(), (q, k, v), create_graph=True)
+    tol = 2e-3 if dtype == torch.float16 else 1e-2  # the op's gradients are rounded to the autocast dtype
+    for a, b in zip(fused, with_graph):
+        torch.testing.assert_close(b.detach(), a, atol=tol, rtol=tol)
+
+
+def test_a_traced_penalty_replays_the_dropout_draw():
+    # The forward's dropout multipliers are an op of their own in the gradients' graph, so a tracer records them.
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q, k, v = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3))
+
+    def penalty(q, k, v):
+        out, _ = torch.ops.fastmha.attention(q, k, v, None, 0.3, False)
+        (grad,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+        return grad.square().sum()
+
+    torch.manual_seed(1)
+    traced = make_fx(penalty, tracing_mode="real")(q, k, v)
+    assert any("fastmha._dropout_multipliers" in str(node.target) for node in traced.graph.nodes)
+    torch.manual_seed(1)
+    expected = penalty(q, k, v)
+    torch.manual_seed(1)
+    torch.testing.assert_close(traced(q, k, v), expected)
+
+
+def test_create_graph_under_compiled_autograd():
+    q, k, v = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3))
+
+    def first_order():
+        out, _ = torch.ops.fastmha.attention(q, k, v, None, 0.0, True)
+        return torch.autograd.grad(out.square().sum(), q, create_graph=True)[0]
+
+    expected = first_order()
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        got = torch.compile(first_order, backend="eager")()
+    torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_dropout_multipliers_are_the_forwards(device, dtype):
+    q, k, v = (torch.randn(2, 3, n, 4, device=device, dtype=dtype) for n in (5, 6, 6))
+    p = 0.35
+    _, weights, _, rng_state = torch.ops.fastmha._attention_forward(q, k, v, None, p, True, False)
+    multipliers = torch.ops.fastmha._dropout_multipliers(list(weights.shape), p, dtype, rng_state)
+    probs = torch.softmax(q @ k.transpose(-2, -1) / 2.0, dim=-1)  # d_k = 4
+    values = multipliers.unique().tolist()
+    assert len(values) == 2 and values[0] == 0.0 and values[1] == pytest.approx(1 / (1 - p))
+    torch.testing.assert_close(weights, probs * multipliers)
+    torch.library.opcheck(torch.ops.fastmha._dropout_multipliers.default, (list(weights.shape), p, dtype, rng_state))

@@ -2,9 +2,10 @@
 
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 
-#include <functional>
-#include <utility>
+#include <tuple>
 
 #include "ops/aten/attention_aten.h"
 #include "ops/dropout.h"
@@ -14,11 +15,38 @@ namespace fastmha::detail {
 namespace {
 
 using torch::autograd::variable_list;
-using Outputs = std::pair<at::Tensor, at::Tensor>;  // (output, weights)
 
-// The attention core (output, weights) in differentiable ATen ops, with the ops' numbers: scores in the
-// accumulation dtype, -1e9 where masked, softmax, the forward's dropout multipliers.
-Outputs attention_core(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+// The forward's dropout multipliers through the dispatcher (fastmha::_dropout_multipliers), so that a graph tracer
+// records them, on the device the weights are on.
+at::Tensor replayed_multipliers(at::IntArrayRef sizes, double p, const at::TensorOptions& options,
+                                const at::Tensor& rng_state) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fastmha::_dropout_multipliers", "")
+                             .typed<at::Tensor(c10::SymIntArrayRef, double, at::ScalarType, const at::Tensor&)>();
+  return op.call(c10::fromIntArrayRefSlow(sizes), p, options.dtype().toScalarType(), rng_state.to(options.device()));
+}
+
+const DropoutKernels kReplay{nullptr, &replayed_multipliers};
+
+// The core's (query, key, value) gradients from the ATen implementation's formulas: differentiable ATen ops, out of
+// place wherever autograd saves a tensor.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> core_grads(const at::Tensor& query, const at::Tensor& key,
+                                                          const at::Tensor& value,
+                                                          const std::optional<at::Tensor>& mask,
+                                                          const at::Tensor& rng_state, double dropout_p, bool is_causal,
+                                                          const at::Tensor& grad_output,
+                                                          const at::Tensor& grad_weights) {
+  const auto grad_out = grad_output.defined()
+                            ? grad_output
+                            : at::zeros({query.size(0), query.size(1), query.size(2), value.size(3)}, query.options());
+  const auto grad_w = grad_weights.defined() ? std::optional<at::Tensor>(grad_weights) : std::nullopt;
+  return aten_impl::attention_backward(grad_out, grad_w, query, key, value, mask, /*output=*/at::Tensor(),
+                                       /*logsumexp=*/at::Tensor(), rng_state, dropout_p, is_causal, kReplay);
+}
+
+// The core's output in differentiable ATen ops, with the ops' numbers: scores in the accumulation dtype, -1e9 where
+// masked, softmax, the forward's dropout multipliers.
+at::Tensor core_output(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                        const std::optional<at::Tensor>& mask, const at::Tensor& rng_state, double dropout_p,
                        bool is_causal) {
   const auto acc = at::toOpMathType(query.scalar_type());
@@ -26,47 +54,16 @@ Outputs attention_core(const at::Tensor& query, const at::Tensor& key, const at:
       aten_impl::masked_scores(query.to(acc), key.to(acc), aten_impl::masked_positions(mask, is_causal, query, key)),
       -1);
   if (dropout_p > 0.0) {
-    weights = weights * dropout_multipliers(weights.sizes(), dropout_p, weights.options(), rng_state);
+    weights = weights * replayed_multipliers(weights.sizes(), dropout_p, weights.options(), rng_state);
   }
-  return {at::matmul(weights, value.to(acc)).to(query.scalar_type()), weights.to(query.scalar_type())};
+  return at::matmul(weights, value.to(acc)).to(query.scalar_type());
 }
 
-// The gradients of `forward`'s outputs at `inputs` against (grad_output, grad_weights), as a graph. Each input that
-// asks a gradient enters through a view of its own, so a tensor passed as several arguments (self-attention's
-// query, key and value) gets each argument's part, as the engine expects; the others get none (undefined).
-variable_list grads_with_graph(const variable_list& inputs, const std::function<Outputs(const variable_list&)>& forward,
-                               const at::Tensor& grad_output, const at::Tensor& grad_weights) {
-  variable_list entries, asked;
-  std::vector<size_t> asked_at;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    if (inputs[i].requires_grad()) {
-      entries.push_back(inputs[i].view_as(inputs[i]));
-      asked.push_back(entries.back());
-      asked_at.push_back(i);
-    } else {
-      entries.push_back(inputs[i]);
-    }
-  }
-  const auto [output, weights] = forward(entries);
-  variable_list outputs, grads;
-  if (grad_output.defined()) {
-    outputs.push_back(output);
-    grads.push_back(grad_output);
-  }
-  if (grad_weights.defined()) {
-    outputs.push_back(weights);
-    grads.push_back(grad_weights);
-  }
-  variable_list result(inputs.size());
-  if (asked.empty() || outputs.empty()) {
-    return result;
-  }
-  const auto found = torch::autograd::grad(outputs, asked, grads, /*retain_graph=*/true, /*create_graph=*/true,
-                                           /*allow_unused=*/true);
-  for (size_t j = 0; j < asked.size(); ++j) {
-    result[asked_at[j]] = found[j];
-  }
-  return result;
+// x W^T's gradients (x: batch, L, d_in) for its gradient g: (dx, dW), each only where asked (else undefined).
+std::pair<at::Tensor, at::Tensor> projection_grads(const at::Tensor& x, const at::Tensor& weight,
+                                                   const at::Tensor& grad, bool x_asked, bool weight_asked) {
+  return {x_asked ? at::matmul(grad, weight) : at::Tensor(),
+          weight_asked ? flatten_rows(grad).t().mm(flatten_rows(x)) : at::Tensor()};
 }
 
 }  // namespace
@@ -74,26 +71,39 @@ variable_list grads_with_graph(const variable_list& inputs, const std::function<
 variable_list attention_grads_with_graph(const variable_list& inputs, const std::optional<at::Tensor>& mask,
                                          const at::Tensor& rng_state, double dropout_p, bool is_causal,
                                          const at::Tensor& grad_output, const at::Tensor& grad_weights) {
-  return grads_with_graph(
-      inputs,
-      [&](const variable_list& x) { return attention_core(x[0], x[1], x[2], mask, rng_state, dropout_p, is_causal); },
-      grad_output, grad_weights);
+  // The ATen ops in the kernels' dtypes: an autocast region around the backward must not recast them.
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  auto [grad_query, grad_key, grad_value] =
+      core_grads(inputs[0], inputs[1], inputs[2], mask, rng_state, dropout_p, is_causal, grad_output, grad_weights);
+  return {grad_query, grad_key, grad_output.defined() ? grad_value : at::Tensor()};
 }
 
-variable_list block_grads_with_graph(const variable_list& inputs, int64_t num_heads,
+variable_list block_grads_with_graph(const variable_list& inputs, const std::array<bool, 7>& asked, int64_t num_heads,
                                      const std::optional<at::Tensor>& mask, const at::Tensor& rng_state,
                                      double dropout_p, bool is_causal, const at::Tensor& grad_output,
                                      const at::Tensor& grad_weights) {
-  const auto block = [&](const variable_list& x) -> Outputs {
-    // x W^T of each input, as h heads of d_k.
-    const auto heads = [&](const at::Tensor& input, const at::Tensor& w) {
-      return split_heads(at::matmul(input, w.t()), num_heads);
-    };
-    const auto [context, weights] =
-        attention_core(heads(x[0], x[3]), heads(x[1], x[4]), heads(x[2], x[5]), mask, rng_state, dropout_p, is_causal);
-    return {at::matmul(merge_heads(context), x[6].t()), weights};
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  const auto &query = inputs[0], &key = inputs[1], &value = inputs[2];
+  const auto &w_q = inputs[3], &w_k = inputs[4], &w_v = inputs[5], &w_o = inputs[6];
+  const auto heads = [&](const at::Tensor& x, const at::Tensor& w) {
+    return split_heads(at::matmul(x, w.t()), num_heads);
   };
-  return grads_with_graph(inputs, block, grad_output, grad_weights);
+  const auto q = heads(query, w_q), k = heads(key, w_k), v = heads(value, w_v);
+  const auto grad_out =
+      grad_output.defined() ? grad_output : at::zeros({query.size(0), query.size(1), w_o.size(0)}, query.options());
+  const auto [grad_q, grad_k, grad_v] = core_grads(q, k, v, mask, rng_state, dropout_p, is_causal,
+                                                   split_heads(at::matmul(grad_out, w_o), num_heads), grad_weights);
+  variable_list grads(7);
+  std::tie(grads[0], grads[3]) = projection_grads(query, w_q, merge_heads(grad_q), asked[0], asked[3]);
+  std::tie(grads[1], grads[4]) = projection_grads(key, w_k, merge_heads(grad_k), asked[1], asked[4]);
+  if (grad_output.defined()) {  // else only the weights have a gradient: value, w_v and w_o get none
+    std::tie(grads[2], grads[5]) = projection_grads(value, w_v, merge_heads(grad_v), asked[2], asked[5]);
+    if (asked[6]) {  // the context w_o multiplied, again
+      const auto context = merge_heads(core_output(q, k, v, mask, rng_state, dropout_p, is_causal));
+      grads[6] = flatten_rows(grad_out).t().mm(flatten_rows(context));
+    }
+  }
+  return grads;
 }
 
 }  // namespace fastmha::detail

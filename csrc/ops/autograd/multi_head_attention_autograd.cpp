@@ -5,6 +5,8 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <array>
+
 #include "ops/attention_ops.h"
 #include "ops/autograd/graph_backward.h"
 #include "ops/broadcast_mask.h"
@@ -54,8 +56,12 @@ class MultiHeadAttentionFunction : public torch::autograd::Function<MultiHeadAtt
     const auto s = ctx->get_saved_variables();
     const auto mask = detail::optional_if_defined(s[13]);
     if (at::GradMode::is_enabled()) {  // create_graph=True: gradients that can be differentiated again
+      std::array<bool, 7> asked{};
+      for (size_t i = 0; i < asked.size(); ++i) {
+        asked[i] = ctx->needs_input_grad(i);
+      }
       auto g = detail::block_grads_with_graph(
-          {s[0], s[1], s[2], s[3], s[4], s[5], s[6]}, ctx->saved_data["num_heads"].toInt(), mask, s[12],
+          {s[0], s[1], s[2], s[3], s[4], s[5], s[6]}, asked, ctx->saved_data["num_heads"].toInt(), mask, s[12],
           ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["is_causal"].toBool(), grads[0], grads[1]);
       g.resize(12);  // num_heads, mask, dropout_p, need_weights, is_causal: no gradient
       return g;
