@@ -13,10 +13,21 @@
 namespace fastmha {
 namespace {
 
+// Every kernel's checks (Meta's too, so that a traced call fails as an eager one would).
+void check_multipliers_args(double p, at::ScalarType dtype, const at::Tensor& rng_state) {
+  TORCH_CHECK(p >= 0.0 && p < 1.0, "fastmha: dropout_p must be in [0, 1), got ", p);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble,
+              "fastmha: dtype must be float32 or float64 (the dtypes dropout is applied in), got ", dtype);
+  TORCH_CHECK(rng_state.scalar_type() == at::kLong && rng_state.dim() == 1 && rng_state.size(0) == 2,
+              "fastmha: rng_state must be the int64 (seed, offset) pair a forward returned, got ",
+              rng_state.scalar_type(), " of shape ", rng_state.sizes());
+}
+
 at::Tensor dropout_multipliers_cpu(c10::SymIntArrayRef sizes, double p, at::ScalarType dtype,
                                    const at::Tensor& rng_state) {
+  check_multipliers_args(p, dtype, rng_state);
   auto multipliers = at::empty(C10_AS_INTARRAYREF_SLOW(sizes), at::TensorOptions().dtype(dtype));
-  const auto state = rng_state.to(at::kLong).contiguous();
+  const auto state = rng_state.contiguous();
   const auto seed = static_cast<uint64_t>(state.const_data_ptr<int64_t>()[0]);
   const auto offset = static_cast<uint64_t>(state.const_data_ptr<int64_t>()[1]);
   AT_DISPATCH_FLOATING_TYPES(dtype, "fastmha_dropout_multipliers", [&] {
@@ -31,14 +42,16 @@ at::Tensor dropout_multipliers_cpu(c10::SymIntArrayRef sizes, double p, at::Scal
   return multipliers;
 }
 
-at::Tensor dropout_multipliers_meta(c10::SymIntArrayRef sizes, double /*p*/, at::ScalarType dtype,
-                                    const at::Tensor& /*rng_state*/) {
+at::Tensor dropout_multipliers_meta(c10::SymIntArrayRef sizes, double p, at::ScalarType dtype,
+                                    const at::Tensor& rng_state) {
+  check_multipliers_args(p, dtype, rng_state);
   return at::empty_symint(sizes, at::TensorOptions().dtype(dtype).device(at::kMeta));
 }
 
 #ifdef FASTMHA_WITH_CUDA
 at::Tensor dropout_multipliers_cuda(c10::SymIntArrayRef sizes, double p, at::ScalarType dtype,
                                     const at::Tensor& rng_state) {
+  check_multipliers_args(p, dtype, rng_state);
   return cuda_dropout_kernels().replay(C10_AS_INTARRAYREF_SLOW(sizes), p,
                                        at::TensorOptions().dtype(dtype).device(rng_state.device()), rng_state);
 }

@@ -63,9 +63,11 @@ inline at::Tensor in_layout_of(const at::Tensor& t, const at::Tensor& input) {
   if (has_strides(t, strides)) {
     return t.as_strided_symint(t.sym_sizes(), strides, t.sym_storage_offset());
   }
-  auto out = empty_heads(t.sym_sizes(), interleaved, t.options());
-  out.copy_(t);
-  return out;
+  // empty_heads's strides, by a clone rather than empty + copy_: a vmapped (batched) gradient keeps its batch.
+  if (!interleaved) {
+    return t.clone(at::MemoryFormat::Contiguous);
+  }
+  return t.transpose(1, 2).clone(at::MemoryFormat::Contiguous).transpose(1, 2);
 }
 
 // (batch, h, L, d_k) -> (batch, L, h * d_k), contiguous: a view of an interleaved tensor, otherwise a copy.

@@ -186,3 +186,58 @@ def test_dropout_multipliers_are_the_forwards(device, dtype):
     assert len(values) == 2 and values[0] == 0.0 and values[1] == pytest.approx(1 / (1 - p))
     torch.testing.assert_close(weights, probs * multipliers)
     torch.library.opcheck(torch.ops.fastmha._dropout_multipliers.default, (list(weights.shape), p, dtype, rng_state))
+
+
+@pytest.mark.parametrize("op", ["attention", "block"])
+def test_a_weights_only_loss_leaves_the_value_side_without_gradient(op):
+    # As in the first-order backward (and the textbook block): no output gradient, so nothing reaches the value,
+    # w_v or w_o, not even zeros, at second order either.
+    x, m, *ws = leaves("cpu", (1, 3, 4), (1, 3, 4), (4, 4), (4, 4), (4, 4), (4, 4))
+    if op == "attention":
+        heads = [t.detach().view(1, 1, 3, 4).requires_grad_() for t in (x, m, m)]
+        _, weights = torch.ops.fastmha.attention(*heads)
+        first, untouched = heads[0], [heads[2]]
+    else:
+        _, weights = torch.ops.fastmha.multi_head_attention(x, m, m.detach().clone().requires_grad_(), *ws, 2)
+        first, untouched = x, [ws[2], ws[3]]
+    (grad,) = torch.autograd.grad(weights.square().sum(), first, create_graph=True)
+    grad.square().sum().backward()
+    assert all(t.grad is None for t in untouched)
+
+
+@pytest.mark.parametrize("op", ["attention", "block"])
+def test_batched_create_graph_gradients_of_the_weights(op):
+    # is_grads_batched vmaps the backward over a batch of weight gradients (a Jacobian); with create_graph too.
+    q, k, v = leaves("cpu", (1, 1, 2, 4), (1, 1, 3, 4), (1, 1, 3, 4))
+    ws = leaves("cpu", (4, 4), (4, 4), (4, 4), (4, 4))
+
+    def weights_of(q):
+        if op == "attention":
+            return torch.ops.fastmha.attention(q, k, v)[1]
+        return torch.ops.fastmha.multi_head_attention(q[0], k[0], v[0], *ws, 2)[1]
+
+    weights = weights_of(q)
+    basis = torch.eye(weights.numel(), dtype=torch.float64).view(-1, *weights.shape)
+    plain = torch.autograd.grad(weights, q, basis, is_grads_batched=True, retain_graph=True)[0]
+    with_graph = torch.autograd.grad(weights, q, basis, is_grads_batched=True, create_graph=True)[0]
+    torch.testing.assert_close(with_graph, plain)
+
+
+BAD_MULTIPLIER_ARGS = {
+    "empty rng_state": (dict(rng_state=torch.empty(0, dtype=torch.long)), r"rng_state must be the int64 \(seed, offset\) pair"),
+    "short rng_state": (dict(rng_state=torch.tensor([1])), r"got Long of shape \[1\]"),
+    "float rng_state": (dict(rng_state=torch.zeros(2)), r"rng_state must be .* got Float"),
+    "negative p": (dict(p=-0.5), r"dropout_p must be in \[0, 1\), got -0.5"),
+    "p of 1": (dict(p=1.0), r"dropout_p must be in \[0, 1\), got 1"),
+    "half dtype": (dict(dtype=torch.bfloat16), r"dtype must be float32 or float64 .* got BFloat16"),
+}
+
+
+@pytest.mark.parametrize("device_name", ["cpu", "meta"])
+@pytest.mark.parametrize("case", BAD_MULTIPLIER_ARGS)
+def test_bad_dropout_multiplier_arguments_are_named(case, device_name):
+    changes, message = BAD_MULTIPLIER_ARGS[case]
+    args = dict(p=0.5, dtype=torch.float32, rng_state=torch.tensor([3, 0]))
+    args.update(changes)
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.fastmha._dropout_multipliers([2, 3], args["p"], args["dtype"], args["rng_state"].to(device_name))

@@ -77,14 +77,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
   if (dropout_p > 0.0) {
     multipliers = dropout.replay(probs.sizes(), dropout_p, probs.options(), rng_state);
   }
-  const auto applied = multipliers.defined() ? probs * multipliers : probs;
-  const auto grad_output_acc = grad_output.to(acc);
-  auto grad_value = at::matmul(applied.transpose(-2, -1), grad_output_acc);
-  auto grad_applied = at::matmul(grad_output_acc, value.to(acc).transpose(-2, -1));
-  if (grad_weights.has_value() && grad_weights->defined()) {
-    grad_applied.add_(grad_weights->to(acc));
+  // The output's and the kept weights' gradients, either undefined (not both). Out of place where a batched
+  // gradient (is_grads_batched) may meet an unbatched one, and where grad_weights itself would be written.
+  at::Tensor grad_value, grad_applied;
+  if (grad_output.defined()) {
+    const auto grad_output_acc = grad_output.to(acc);
+    const auto applied = multipliers.defined() ? probs * multipliers : probs;
+    grad_value = at::matmul(applied.transpose(-2, -1), grad_output_acc);
+    grad_applied = at::matmul(grad_output_acc, value.to(acc).transpose(-2, -1));
   }
-  auto grad_probs = multipliers.defined() ? grad_applied.mul_(multipliers) : grad_applied;
+  if (grad_weights.has_value() && grad_weights->defined()) {
+    grad_applied = grad_applied.defined() ? grad_applied + grad_weights->to(acc) : grad_weights->to(acc);
+  }
+  TORCH_INTERNAL_ASSERT(grad_applied.defined(), "fastmha: a backward without output or weights gradient");
+  const auto grad_probs = multipliers.defined() ? grad_applied * multipliers : grad_applied;
   // softmax backward: dS = P * (dP - sum_j dP * P)
   auto grad_scores = probs * (grad_probs - (grad_probs * probs).sum(-1, /*keepdim=*/true));
   if (masked.has_value()) {
@@ -94,7 +100,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
   auto grad_query = at::matmul(grad_scores, key_acc).to(query.scalar_type());
   auto grad_key = at::matmul(grad_scores.transpose(-2, -1), query_acc).to(key.scalar_type());
   return {in_layout_of(grad_query, query), in_layout_of(grad_key, key),
-          in_layout_of(grad_value.to(value.scalar_type()), value)};
+          grad_value.defined() ? in_layout_of(grad_value.to(value.scalar_type()), value) : at::Tensor()};
 }
 
 }  // namespace fastmha::aten_impl

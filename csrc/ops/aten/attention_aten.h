@@ -22,6 +22,8 @@ detail::AttentionForwardResult attention_forward(const at::Tensor& query, const 
                                                  double dropout_p, bool need_weights, bool is_causal,
                                                  const DropoutKernels& dropout);
 
+// The gradients from differentiable ATen ops (a backward with create_graph=True calls it under grad mode).
+// grad_output may be undefined where grad_weights is not: the value's gradient is then undefined too.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights, const at::Tensor& query,
     const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& mask, const at::Tensor& output,

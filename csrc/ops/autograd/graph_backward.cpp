@@ -29,18 +29,18 @@ at::Tensor replayed_multipliers(at::IntArrayRef sizes, double p, const at::Tenso
 const DropoutKernels kReplay{nullptr, &replayed_multipliers};
 
 // The core's (query, key, value) gradients from the ATen implementation's formulas: differentiable ATen ops, out of
-// place wherever autograd saves a tensor.
+// place wherever autograd saves a tensor. No value gradient without an output gradient; none at all without either.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> core_grads(const at::Tensor& query, const at::Tensor& key,
                                                           const at::Tensor& value,
                                                           const std::optional<at::Tensor>& mask,
                                                           const at::Tensor& rng_state, double dropout_p, bool is_causal,
                                                           const at::Tensor& grad_output,
                                                           const at::Tensor& grad_weights) {
-  const auto grad_out = grad_output.defined()
-                            ? grad_output
-                            : at::zeros({query.size(0), query.size(1), query.size(2), value.size(3)}, query.options());
+  if (!grad_output.defined() && !grad_weights.defined()) {
+    return {};
+  }
   const auto grad_w = grad_weights.defined() ? std::optional<at::Tensor>(grad_weights) : std::nullopt;
-  return aten_impl::attention_backward(grad_out, grad_w, query, key, value, mask, /*output=*/at::Tensor(),
+  return aten_impl::attention_backward(grad_output, grad_w, query, key, value, mask, /*output=*/at::Tensor(),
                                        /*logsumexp=*/at::Tensor(), rng_state, dropout_p, is_causal, kReplay);
 }
 
@@ -75,7 +75,7 @@ variable_list attention_grads_with_graph(const variable_list& inputs, const std:
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   auto [grad_query, grad_key, grad_value] =
       core_grads(inputs[0], inputs[1], inputs[2], mask, rng_state, dropout_p, is_causal, grad_output, grad_weights);
-  return {grad_query, grad_key, grad_output.defined() ? grad_value : at::Tensor()};
+  return {grad_query, grad_key, grad_value};
 }
 
 variable_list block_grads_with_graph(const variable_list& inputs, const std::array<bool, 7>& asked, int64_t num_heads,
@@ -89,18 +89,21 @@ variable_list block_grads_with_graph(const variable_list& inputs, const std::arr
     return split_heads(at::matmul(x, w.t()), num_heads);
   };
   const auto q = heads(query, w_q), k = heads(key, w_k), v = heads(value, w_v);
-  const auto grad_out =
-      grad_output.defined() ? grad_output : at::zeros({query.size(0), query.size(1), w_o.size(0)}, query.options());
-  const auto [grad_q, grad_k, grad_v] = core_grads(q, k, v, mask, rng_state, dropout_p, is_causal,
-                                                   split_heads(at::matmul(grad_out, w_o), num_heads), grad_weights);
+  // Without an output gradient only the weights have one: nothing flows through w_o, the value or w_v.
+  const auto grad_context = grad_output.defined() ? split_heads(at::matmul(grad_output, w_o), num_heads) : at::Tensor();
+  const auto [grad_q, grad_k, grad_v] =
+      core_grads(q, k, v, mask, rng_state, dropout_p, is_causal, grad_context, grad_weights);
   variable_list grads(7);
+  if (!grad_q.defined()) {
+    return grads;
+  }
   std::tie(grads[0], grads[3]) = projection_grads(query, w_q, merge_heads(grad_q), asked[0], asked[3]);
   std::tie(grads[1], grads[4]) = projection_grads(key, w_k, merge_heads(grad_k), asked[1], asked[4]);
-  if (grad_output.defined()) {  // else only the weights have a gradient: value, w_v and w_o get none
+  if (grad_output.defined()) {
     std::tie(grads[2], grads[5]) = projection_grads(value, w_v, merge_heads(grad_v), asked[2], asked[5]);
     if (asked[6]) {  // the context w_o multiplied, again
       const auto context = merge_heads(core_output(q, k, v, mask, rng_state, dropout_p, is_causal));
-      grads[6] = flatten_rows(grad_out).t().mm(flatten_rows(context));
+      grads[6] = flatten_rows(grad_output).t().mm(flatten_rows(context));
     }
   }
   return grads;
