@@ -294,8 +294,9 @@ class MultiHeadAttentionBlock(nn.Module):
         """The textbook static method: inputs (batch, h, seq, d_k); returns (weights @ value, weights).
 
         Inputs of any rank from 2 up, (..., seq, d_k) with leading dims that broadcast (keys and values shared by
-        the heads, say), are taken as the textbook's matmuls take them. ``dropout`` is an ``nn.Dropout`` (applied only while it is in training mode), None, or
-        another module, which is called on the weights as the textbook method does.
+        the heads, say), are taken as the textbook's matmuls take them. ``dropout`` is an ``nn.Dropout`` (applied
+        only while it is in training mode), None, or another module, which is called on the weights as the
+        textbook method does.
         """
         if _needs_torch_ops():
             return _plain_attention(query, key, value, mask, dropout, False)
