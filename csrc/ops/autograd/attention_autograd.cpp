@@ -31,17 +31,20 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                             save_weights ? weights : at::Tensor()});
     ctx->saved_data["dropout_p"] = dropout_p;
     ctx->saved_data["is_causal"] = is_causal;
-    if (!need_weights) {
-      ctx->mark_non_differentiable({weights});
-    }
     // Kept weights that the loss never reads get no gradient: no (batch, h, Lq, Lk) tensor of zeros is made,
     // filled and read back in the backward.
     ctx->set_materialize_grads(false);
+    // Without kept weights the Function has the output alone: its caller makes the empty weights tensor. Marking
+    // that tensor non-differentiable instead would leave the node unusable under compiled autograd.
+    if (!need_weights) {
+      return {output};
+    }
     return {output, weights};
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
+    grads.resize(2);  // a call without kept weights has the output alone
     const auto saved = ctx->get_saved_variables();
     const auto mask = detail::optional_if_defined(saved[3]);
     if (at::GradMode::is_enabled()) {  // create_graph=True: gradients that can be differentiated again
@@ -68,7 +71,7 @@ std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& query, c
                                                       double dropout_p, bool need_weights, bool is_causal) {
   check_dense_attention_args(query, key, value, mask);
   auto outputs = AttentionFunction::apply(query, key, value, mask, dropout_p, need_weights, is_causal);
-  return {outputs[0], outputs[1]};
+  return {outputs[0], need_weights ? outputs[1] : at::empty({0}, query.options())};
 }
 
 }  // namespace
