@@ -198,6 +198,11 @@ def _expand_batch(q: Tensor, k: Tensor, v: Tensor, batch: int) -> Tuple[Tensor, 
     return expanded[0], expanded[1], expanded[2]
 
 
+def _mask_batch(mask: Optional[Tensor]) -> int:
+    """The batch a mask gives the weights: its first dim when it has all four (batch, h, Lq, Lk), else 1."""
+    return mask.shape[0] if mask is not None and mask.dim() == 4 else 1
+
+
 def _matmul_precision() -> Tuple[str, ...]:
     """The fp32 matmul precision settings that may change the projections' bits. torch's legacy getter raises once
     the per-backend settings (torch.backends.fp32_precision, ...) have been used; those are read then."""
@@ -414,16 +419,23 @@ class MultiHeadAttentionBlock(nn.Module):
         around the same attention core as the block's op (which checks the mask and the projected heads). With
         ``p`` >= 1 every weight is dropped before ``w_o``, as in the textbook block (w_o's bias stays)."""
         batch = max(q.shape[0], k.shape[0], v.shape[0])
+        # The textbook's weights have the batch of the query, key and mask alone (the caller's, before an entry
+        # repeated along the batch is taken once): where that is 1, the value's batch broadcasts them, dropout and all.
+        shared_weights = batch > 1 and max(q.shape[0], k.shape[0], _mask_batch(mask)) == 1
         if not torch.jit.is_scripting():
             q, k, v = self._projected_entries(q, self.w_q), self._projected_entries(k, self.w_k), \
                 self._projected_entries(v, self.w_v)
         elif not self._calls_modules:  # plain Linear layers: an entry repeated along the batch is projected once
             q, k, v = _first_if_repeated(q), _first_if_repeated(k), _first_if_repeated(v)
-        queries, keys, values = _expand_batch(self._heads_of(self.w_q(q), "w_q(query)"),
-                                              self._heads_of(self.w_k(k), "w_k(key)"),
-                                              self._heads_of(self.w_v(v), "w_v(value)"), batch)
-        heads_out, attention_weights = self._attention_core(
-            queries, keys, values, mask, p, self.need_weights, self.is_causal)
+        queries, keys, values = self._heads_of(self.w_q(q), "w_q(query)"), self._heads_of(self.w_k(k), "w_k(key)"), \
+            self._heads_of(self.w_v(v), "w_v(value)")
+        if shared_weights:  # weights of batch 1 times the values of the whole batch
+            _, attention_weights = self._attention_core(queries, keys, values[:1], mask, p, True, self.is_causal)
+            heads_out = torch.matmul(attention_weights, values.expand(batch, -1, -1, -1))
+        else:
+            queries, keys, values = _expand_batch(queries, keys, values, batch)
+            heads_out, attention_weights = self._attention_core(
+                queries, keys, values, mask, p, self.need_weights, self.is_causal)
         return self.w_o(_merge_heads(heads_out)), attention_weights
 
     def _heads_of(self, projected: Tensor, name: str) -> Tensor:

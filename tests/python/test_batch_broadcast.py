@@ -36,8 +36,9 @@ def make_inputs(batches):
 def forward_and_grads(module, q, k, v, mask, params):
     inputs = [t.clone().requires_grad_() for t in (q, k, v)]
     out = module(*inputs, mask)
-    weights = module.attention_scores if isinstance(module, fastmha.MultiHeadAttentionBlock) else out[1]
-    out = out if isinstance(module, fastmha.MultiHeadAttentionBlock) else out[0]
+    ours = isinstance(module, (fastmha.MultiHeadAttentionBlock, torch.jit.ScriptModule))
+    weights = module.attention_scores if ours else out[1]
+    out = out if ours else out[0]
     (out.sin().sum() + weights.square().sum()).backward()
     return out, weights, [t.grad for t in inputs] + [p.grad for p in params]
 
@@ -57,6 +58,44 @@ def test_batch_one_broadcasts_as_the_oracle(case, hooked):
     for got, expected in zip(grads, want_grads):
         assert got.shape == expected.shape  # a batch-1 input's gradient keeps its batch of 1
         torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("mask_shape", [None, (1, 1, 1, 6), (4, 6)])
+@pytest.mark.parametrize("path", ["fused", "module path", "scripted"])
+def test_query_and_key_of_batch_one_keep_weights_of_batch_one(path, mask_shape):
+    # With the query, key and mask of batch 1 the textbook's weights have batch 1, and the values' batch broadcasts
+    # them.
+    block, oracle = blocks()
+    if path == "module path":
+        block.w_k.register_forward_hook(lambda module, args, output: None)
+    q, k, v, _ = make_inputs(SHAPES["query and key"])
+    mask = None if mask_shape is None else (torch.arange(6) < 5).expand(mask_shape)
+    model = torch.jit.script(block) if path == "scripted" else block
+    out, weights, grads = forward_and_grads(model, q, k, v, mask, [block.w_q.weight, block.w_v.weight])
+    want, want_weights, want_grads = forward_and_grads(oracle, q, k, v, mask, [oracle.w_q.weight, oracle.w_v.weight])
+    assert out.shape == (BATCH, 4, D_MODEL) and weights.shape == (1, H, 4, 6)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(weights, want_weights)
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("repeated", [False, True], ids=["batch 1", "expanded"])
+def test_weights_of_batch_one_share_their_dropout_over_the_values(repeated):
+    # The textbook drops the weights of batch 1 once, then multiplies every value entry by the same dropped weights.
+    # A value repeated along its batch is projected once and still gives every entry's output.
+    torch.manual_seed(0)
+    block = fastmha.MultiHeadAttentionBlock(D_MODEL, H, 0.4).double().train()
+    oracle = OracleBlock(D_MODEL, H).double()
+    oracle.load_state_dict(block.state_dict())
+    q, k, v, _ = make_inputs(SHAPES["query and key"])
+    if repeated:
+        v = v[:1].expand(BATCH, -1, -1)
+    out = block(q, k, v)
+    weights = block.attention_scores
+    assert weights.shape == (1, H, 4, 6) and (weights == 0).any()
+    want, _ = oracle(q, k, v, None, keep=weights != 0, p=0.4)  # softmax weights are positive where kept
+    torch.testing.assert_close(out, want)
 
 
 def test_batch_one_without_kept_weights_and_in_no_grad():
