@@ -87,6 +87,23 @@ def test_create_graph_gives_the_fused_backwards_gradients(device, dtype, asked):
             torch.testing.assert_close(b.detach(), a, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_create_graph_gives_the_fused_backwards_gradients(device, dtype):
+    # Every input and weight of the block, w_o's from the context of the replayed dropout's weights.
+    x, m, *ws = ((torch.randn(*shape, device=device) / shape[-1] ** 0.5).to(dtype).requires_grad_()
+                 for shape in ((2, 5, 16), (2, 7, 16), (16, 16), (16, 16), (16, 16), (16, 16)))
+    mask = torch.ones(2, 1, 1, 7, dtype=torch.bool, device=device)
+    mask[1, ..., 4:] = False
+    out, weights = torch.ops.fastmha.multi_head_attention(x, m, m, *ws, 2, mask, 0.4, True)
+    grads = (torch.randn_like(out), torch.randn_like(weights))
+    fused = torch.autograd.grad((out, weights), (x, m, *ws), grads, retain_graph=True)
+    with_graph = torch.autograd.grad((out, weights), (x, m, *ws), grads, create_graph=True)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    for a, b in zip(fused, with_graph):
+        assert b.requires_grad
+        torch.testing.assert_close(b.detach(), a, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("path", ["fused", "module path", "scripted"])
 def test_gradient_penalty_matches_the_oracle_block(device, path):
     torch.manual_seed(0)

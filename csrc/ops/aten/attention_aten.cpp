@@ -66,7 +66,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights, const at::Tensor& query,
     const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& mask, const at::Tensor& output,
     const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p, bool is_causal,
-    const DropoutKernels& dropout) {
+    const DropoutKernels& dropout, at::Tensor* applied_weights) {
   const auto acc = accumulation_type(query.scalar_type());
   const auto query_acc = query.to(acc);
   const auto key_acc = key.to(acc);
@@ -85,6 +85,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const auto applied = multipliers.defined() ? probs * multipliers : probs;
     grad_value = at::matmul(applied.transpose(-2, -1), grad_output_acc);
     grad_applied = at::matmul(grad_output_acc, value.to(acc).transpose(-2, -1));
+    if (applied_weights != nullptr) {
+      *applied_weights = applied;
+    }
   }
   if (grad_weights.has_value() && grad_weights->defined()) {
     grad_applied = grad_applied.defined() ? grad_applied + grad_weights->to(acc) : grad_weights->to(acc);

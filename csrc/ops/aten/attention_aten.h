@@ -23,11 +23,13 @@ detail::AttentionForwardResult attention_forward(const at::Tensor& query, const 
                                                  const DropoutKernels& dropout);
 
 // The gradients from differentiable ATen ops (a backward with create_graph=True calls it under grad mode).
-// grad_output may be undefined where grad_weights is not: the value's gradient is then undefined too.
+// grad_output may be undefined where grad_weights is not: the value's gradient is then undefined too. Where
+// applied_weights is given and grad_output defined, it receives the recomputed weights after dropout (in the
+// accumulation dtype), so that a caller needing the output again does not recompute them.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights, const at::Tensor& query,
     const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& mask, const at::Tensor& output,
     const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p, bool is_causal,
-    const DropoutKernels& dropout);
+    const DropoutKernels& dropout, at::Tensor* applied_weights = nullptr);
 
 }  // namespace fastmha::aten_impl

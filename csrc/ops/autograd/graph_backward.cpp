@@ -1,7 +1,6 @@
 #include "ops/autograd/graph_backward.h"
 
 #include <ATen/ATen.h>
-#include <ATen/OpMathType.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
@@ -30,33 +29,20 @@ const DropoutKernels kReplay{nullptr, &replayed_multipliers};
 
 // The core's (query, key, value) gradients from the ATen implementation's formulas: differentiable ATen ops, out of
 // place wherever autograd saves a tensor. No value gradient without an output gradient; none at all without either.
+// applied_weights: as in aten_impl::attention_backward.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> core_grads(const at::Tensor& query, const at::Tensor& key,
                                                           const at::Tensor& value,
                                                           const std::optional<at::Tensor>& mask,
                                                           const at::Tensor& rng_state, double dropout_p, bool is_causal,
-                                                          const at::Tensor& grad_output,
-                                                          const at::Tensor& grad_weights) {
+                                                          const at::Tensor& grad_output, const at::Tensor& grad_weights,
+                                                          at::Tensor* applied_weights = nullptr) {
   if (!grad_output.defined() && !grad_weights.defined()) {
     return {};
   }
   const auto grad_w = grad_weights.defined() ? std::optional<at::Tensor>(grad_weights) : std::nullopt;
   return aten_impl::attention_backward(grad_output, grad_w, query, key, value, mask, /*output=*/at::Tensor(),
-                                       /*logsumexp=*/at::Tensor(), rng_state, dropout_p, is_causal, kReplay);
-}
-
-// The core's output in differentiable ATen ops, with the ops' numbers: scores in the accumulation dtype, -1e9 where
-// masked, softmax, the forward's dropout multipliers.
-at::Tensor core_output(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                       const std::optional<at::Tensor>& mask, const at::Tensor& rng_state, double dropout_p,
-                       bool is_causal) {
-  const auto acc = at::toOpMathType(query.scalar_type());
-  auto weights = at::softmax(
-      aten_impl::masked_scores(query.to(acc), key.to(acc), aten_impl::masked_positions(mask, is_causal, query, key)),
-      -1);
-  if (dropout_p > 0.0) {
-    weights = weights * replayed_multipliers(weights.sizes(), dropout_p, weights.options(), rng_state);
-  }
-  return at::matmul(weights, value.to(acc)).to(query.scalar_type());
+                                       /*logsumexp=*/at::Tensor(), rng_state, dropout_p, is_causal, kReplay,
+                                       applied_weights);
 }
 
 // x W^T's gradients (x: batch, L, d_in) for its gradient g: (dx, dW), each only where asked (else undefined).
@@ -91,8 +77,10 @@ variable_list block_grads_with_graph(const variable_list& inputs, const std::arr
   const auto q = heads(query, w_q), k = heads(key, w_k), v = heads(value, w_v);
   // Without an output gradient only the weights have one: nothing flows through w_o, the value or w_v.
   const auto grad_context = grad_output.defined() ? split_heads(at::matmul(grad_output, w_o), num_heads) : at::Tensor();
+  // The weights after dropout, as the forward applied them: w_o's gradient needs the context they give.
+  at::Tensor applied;
   const auto [grad_q, grad_k, grad_v] =
-      core_grads(q, k, v, mask, rng_state, dropout_p, is_causal, grad_context, grad_weights);
+      core_grads(q, k, v, mask, rng_state, dropout_p, is_causal, grad_context, grad_weights, &applied);
   variable_list grads(7);
   if (!grad_q.defined()) {
     return grads;
@@ -101,8 +89,8 @@ variable_list block_grads_with_graph(const variable_list& inputs, const std::arr
   std::tie(grads[1], grads[4]) = projection_grads(key, w_k, merge_heads(grad_k), asked[1], asked[4]);
   if (grad_output.defined()) {
     std::tie(grads[2], grads[5]) = projection_grads(value, w_v, merge_heads(grad_v), asked[2], asked[5]);
-    if (asked[6]) {  // the context w_o multiplied, again
-      const auto context = merge_heads(core_output(q, k, v, mask, rng_state, dropout_p, is_causal));
+    if (asked[6]) {  // the context w_o multiplied, from the weights the core's gradients recomputed
+      const auto context = merge_heads(at::matmul(applied, v.to(applied.scalar_type())).to(v.scalar_type()));
       grads[6] = flatten_rows(grad_output).t().mm(flatten_rows(context));
     }
   }
