@@ -329,7 +329,8 @@ class MultiHeadAttentionBlock(nn.Module):
             output, weights = _any_rank.from_heads(output, lead), _any_rank.from_heads(weights, lead)
         return output, weights
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+    def forward(self, q: Optional[Tensor], k: Optional[Tensor], v: Optional[Tensor],
+                mask: Optional[Tensor] = None) -> Tensor:
         """Attention of queries ``q`` (batch, Lq, d_model) over keys ``k`` and values ``v`` (batch, Lk, d_model).
 
         Where ``mask == 0`` (any dtype, broadcastable to (batch, h, Lq, Lk), e.g. a (batch, 1, 1, Lk) padding
@@ -337,17 +338,22 @@ class MultiHeadAttentionBlock(nn.Module):
         weights (batch, h, Lq, Lk) in ``attention_scores`` when ``need_weights`` is True. An input of batch 1
         broadcasts against the others' batch.
         """
+        # Optional in the signature so that a scripted block sees None as None (not as an undefined tensor) and
+        # names it.
+        if q is None or k is None or v is None:
+            raise RuntimeError("fastmha: " + ("query" if q is None else "key" if k is None else "value")
+                               + " must be a tensor, got None")
         p = self._dropout_p()
         # An input of batch 1, or one expanded along its batch, takes the module path too, which projects its entry
         # once and broadcasts the projection.
-        if (self._calls_modules or _broadcasts_batch(q, k, v) or _repeats_one_entry(q) or _repeats_one_entry(k)
-                or _repeats_one_entry(v)) if torch.jit.is_scripting() else \
-                self._takes_module_path(q, k, v):
-            features = self._features if torch.jit.is_scripting() else self._input_features()
-            _module_checks.check_block_inputs(q, k, v, self.d_model, "query", features)
-            _module_checks.check_w_o_features(features[3], self.d_model)
-            output, weights = self._attend_through_modules(q, k, v, mask, p)  # drops the weights itself at p >= 1
-        else:
+        fused = not (self._calls_modules or _broadcasts_batch(q, k, v) or _repeats_one_entry(q)
+                     or _repeats_one_entry(k) or _repeats_one_entry(v)) if torch.jit.is_scripting() else \
+            not self._takes_module_path(q, k, v)
+        # The hasattr tests are decided when scripting: a projection without a weight (a wrapper the block calls)
+        # leaves the fused path out of the scripted code, which could not compile it. Eager code reaches them only
+        # for plain Linear layers (a lazy one's weight is not looked at before its first input).
+        if fused and hasattr(self.w_q, "weight") and hasattr(self.w_k, "weight") and hasattr(self.w_v, "weight") \
+                and hasattr(self.w_o, "weight"):
             result: Optional[Tuple[Tensor, Tensor]] = None
             if not torch.jit.is_scripting():
                 result = self._forward_reusing_projections(q, k, v, mask, p if p < 1.0 else 0.0)
@@ -359,6 +365,11 @@ class MultiHeadAttentionBlock(nn.Module):
             output, weights = result
             if p >= 1.0:  # nn.Dropout(1.0) drops every weight: zero weights, zero output
                 output, weights = output * 0.0, weights * 0.0
+        else:
+            features = self._features if torch.jit.is_scripting() else self._input_features()
+            _module_checks.check_block_inputs(q, k, v, self.d_model, "query", features)
+            _module_checks.check_w_o_features(features[3], self.d_model)
+            output, weights = self._attend_through_modules(q, k, v, mask, p)  # drops the weights itself at p >= 1
         self.attention_scores = weights if self.need_weights else None
         return output
 
@@ -538,7 +549,7 @@ class MultiHeadAttentionBlock(nn.Module):
 
     @torch.jit.export
     def forward_step(
-        self, x: Tensor, cache: Optional[Tuple[Tensor, Tensor]] = None, mask: Optional[Tensor] = None
+        self, x: Optional[Tensor], cache: Optional[Tuple[Tensor, Tensor]] = None, mask: Optional[Tensor] = None
     ) -> Tuple[Tensor, Tuple[Tensor, Tensor]]:
         """Incremental decoding of a decoder's self-attention: ``x`` (batch, T_new, d_model) are new positions,
         ``cache`` the (key, value) tensors (batch, h, T_past, d_k) returned by the previous step (None at the
@@ -549,24 +560,28 @@ class MultiHeadAttentionBlock(nn.Module):
         uniformly over all positions, future ones included, which a step cannot see). ``attention_scores`` is
         left as it was.
         """
+        if x is None:  # as in forward
+            raise RuntimeError("fastmha: x must be a tensor, got None")
         key_cache: Optional[Tensor] = None
         value_cache: Optional[Tensor] = None
         if cache is not None:
             key_cache, value_cache = cache
         p = self._dropout_p()
-        if self._calls_modules if torch.jit.is_scripting() else self._step_takes_module_path():
-            widths = self._features if torch.jit.is_scripting() else self._input_features()
-            _module_checks.check_block_inputs(x, x, x, self.d_model, "x", [-1, -1, -1])
-            _module_checks.check_step_widths(x, widths, self.d_model)
-            _module_checks.check_w_o_features(widths[3], self.d_model)
-            return self._step_through_modules(x, key_cache, value_cache, mask, p)
-        output, keys, values = torch.ops.fastmha.multi_head_attention_step(
-            x, self.w_q.weight, self.w_k.weight, self.w_v.weight, self.w_o.weight, self.h,
-            key_cache, value_cache, mask, p if p < 1.0 else 0.0,
-        )
-        if p >= 1.0:  # nn.Dropout(1.0) drops every weight
-            output = output * 0.0
-        return output, (keys, values)
+        fused = not self._calls_modules if torch.jit.is_scripting() else not self._step_takes_module_path()
+        if fused and hasattr(self.w_q, "weight") and hasattr(self.w_k, "weight") and hasattr(self.w_v, "weight") \
+                and hasattr(self.w_o, "weight"):  # as in forward: decided when scripting
+            output, keys, values = torch.ops.fastmha.multi_head_attention_step(
+                x, self.w_q.weight, self.w_k.weight, self.w_v.weight, self.w_o.weight, self.h,
+                key_cache, value_cache, mask, p if p < 1.0 else 0.0,
+            )
+            if p >= 1.0:  # nn.Dropout(1.0) drops every weight
+                output = output * 0.0
+            return output, (keys, values)
+        widths = self._features if torch.jit.is_scripting() else self._input_features()
+        _module_checks.check_block_inputs(x, x, x, self.d_model, "x", [-1, -1, -1])
+        _module_checks.check_step_widths(x, widths, self.d_model)
+        _module_checks.check_w_o_features(widths[3], self.d_model)
+        return self._step_through_modules(x, key_cache, value_cache, mask, p)
 
     def __setstate__(self, state: dict) -> None:
         # Blocks pickled by earlier versions have neither attribute.

@@ -8,7 +8,7 @@ from typing import Tuple
 import pytest
 import torch
 from conftest import OpCounter
-from oracle import OracleBlock
+from oracle import OracleBlock, oracle_attention
 from torch import Tensor, nn
 from torch.nn.utils import parametrizations
 
@@ -214,6 +214,47 @@ def test_scripted_block_keeps_a_projections_bias():
         torch.testing.assert_close(scripted(x, x, x, mask), block(x, x, x, mask))
         step, _ = scripted.forward_step(x[:, :1])
         torch.testing.assert_close(step, block.forward_step(x[:, :1])[0])
+
+
+class Scaled(nn.Module):
+    """A projection without a weight of its own: a Linear and a scale, as a wrapper (LoRA, say) has it."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x) * 0.5
+
+
+def test_scripted_block_with_a_projection_without_a_weight():
+    # The scripted code leaves out the fused path, which reads every projection's weight, and calls the modules.
+    block, oracle = pair()
+    block.w_k, block.w_o = Scaled(block.w_k), nn.Sequential(block.w_o, nn.Tanh())
+    scripted = torch.jit.script(block.eval())
+    x, mask = inputs()
+    with torch.no_grad():
+        out = scripted(x, x, x, mask)
+        q, k, v = (oracle.split(w(x)) for w in (oracle.w_q, lambda t: oracle.w_k(t) * 0.5, oracle.w_v))
+        heads, _ = oracle_attention(q, k, v, mask, None, 0.0)
+        torch.testing.assert_close(out, torch.tanh(oracle.w_o(heads.transpose(1, 2).reshape(x.shape))))
+        torch.testing.assert_close(out, block(x, x, x, mask))
+        torch.testing.assert_close(scripted.forward_step(x[:, :2])[0], block.forward_step(x[:, :2])[0])
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_scripted_block_names_a_none_input(hooked):
+    # TorchScript would pass None to a Tensor argument as an undefined tensor, whose dtype prints as a number.
+    block, _ = pair()
+    if hooked:
+        block.w_q.register_forward_hook(double_output)
+    scripted = torch.jit.script(block)
+    x, _ = inputs()
+    for args, name in (((None, x, x), "query"), ((x, None, x), "key"), ((x, x, None), "value")):
+        with pytest.raises(Exception, match=name + " must be a tensor, got None$"):
+            scripted(*args)
+    with pytest.raises(Exception, match="x must be a tensor, got None$"):
+        scripted.forward_step(None)
 
 
 STEP_BAD = {
