@@ -231,6 +231,9 @@ class MultiHeadAttentionBlock(nn.Module):
     """
 
     attention_scores: Optional[Tensor]
+    # A constant of the scripted code (decided in __prepare_scriptable__), so that TorchScript leaves out the fused
+    # path, which reads the projections' weights, where the block calls its modules (which may have none).
+    __constants__ = ["_calls_modules"]
 
     def __init__(
         self,
@@ -349,11 +352,9 @@ class MultiHeadAttentionBlock(nn.Module):
         fused = not (self._calls_modules or _broadcasts_batch(q, k, v) or _repeats_one_entry(q)
                      or _repeats_one_entry(k) or _repeats_one_entry(v)) if torch.jit.is_scripting() else \
             not self._takes_module_path(q, k, v)
-        # The hasattr tests are decided when scripting: a projection without a weight (a wrapper the block calls)
-        # leaves the fused path out of the scripted code, which could not compile it. Eager code reaches them only
-        # for plain Linear layers (a lazy one's weight is not looked at before its first input).
-        if fused and hasattr(self.w_q, "weight") and hasattr(self.w_k, "weight") and hasattr(self.w_v, "weight") \
-                and hasattr(self.w_o, "weight"):
+        # Decided when scripting (a constant): a block that calls its modules has no fused path in the scripted code,
+        # which could not compile it for a projection without a weight tensor (a wrapper, a quantized Linear).
+        if not (torch.jit.is_scripting() and self._calls_modules) and fused:
             result: Optional[Tuple[Tensor, Tensor]] = None
             if not torch.jit.is_scripting():
                 result = self._forward_reusing_projections(q, k, v, mask, p if p < 1.0 else 0.0)
@@ -568,8 +569,7 @@ class MultiHeadAttentionBlock(nn.Module):
             key_cache, value_cache = cache
         p = self._dropout_p()
         fused = not self._calls_modules if torch.jit.is_scripting() else not self._step_takes_module_path()
-        if fused and hasattr(self.w_q, "weight") and hasattr(self.w_k, "weight") and hasattr(self.w_v, "weight") \
-                and hasattr(self.w_o, "weight"):  # as in forward: decided when scripting
+        if not (torch.jit.is_scripting() and self._calls_modules) and fused:  # as in forward
             output, keys, values = torch.ops.fastmha.multi_head_attention_step(
                 x, self.w_q.weight, self.w_k.weight, self.w_v.weight, self.w_o.weight, self.h,
                 key_cache, value_cache, mask, p if p < 1.0 else 0.0,

@@ -242,6 +242,25 @@ def test_scripted_block_with_a_projection_without_a_weight():
         torch.testing.assert_close(scripted.forward_step(x[:, :2])[0], block.forward_step(x[:, :2])[0])
 
 
+@pytest.mark.filterwarnings("ignore:torch.ao.quantization is deprecated", "ignore:torch.quantize_per_tensor")
+def test_a_dynamically_quantized_block_scripts():
+    # quantize_dynamic puts quantized Linear layers (whose weight is a method) in the projections' place: eager and
+    # scripted blocks call them, as the textbook block would.
+    if not hasattr(torch.ao.quantization, "quantize_dynamic"):
+        pytest.skip("this torch has no eager-mode dynamic quantization")
+    torch.manual_seed(0)
+    block = fastmha.MultiHeadAttentionBlock(16, 2, 0.0).eval()
+    quantized = torch.ao.quantization.quantize_dynamic(block, {nn.Linear}, dtype=torch.qint8)
+    scripted = torch.jit.script(quantized)
+    x, mask = torch.randn(2, 5, 16), torch.tensor([1, 1, 1, 0, 0])
+    q, k, v = (w(x).view(2, 5, 2, 8).transpose(1, 2) for w in (quantized.w_q, quantized.w_k, quantized.w_v))
+    heads, _ = oracle_attention(q, k, v, mask, None, 0.0)
+    want = quantized.w_o(heads.transpose(1, 2).reshape(2, 5, 16))
+    torch.testing.assert_close(scripted(x, x, x, mask), want)
+    torch.testing.assert_close(quantized(x, x, x, mask), want)
+    torch.testing.assert_close(scripted.forward_step(x[:, :1])[0], quantized.forward_step(x[:, :1])[0])
+
+
 @pytest.mark.parametrize("hooked", [False, True])
 def test_scripted_block_names_a_none_input(hooked):
     # TorchScript would pass None to a Tensor argument as an undefined tensor, whose dtype prints as a number.
