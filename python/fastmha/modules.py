@@ -199,8 +199,11 @@ def _expand_batch(q: Tensor, k: Tensor, v: Tensor, batch: int) -> Tuple[Tensor, 
 
 
 def _mask_batch(mask: Optional[Tensor]) -> int:
-    """The batch a mask gives the weights: its first dim when it has all four (batch, h, Lq, Lk), else 1."""
-    return mask.shape[0] if mask is not None and mask.dim() == 4 else 1
+    """The batch a mask gives the weights: its first dim when it has all four (batch, h, Lq, Lk), else 1 (also for
+    what is not a tensor, which the op names). size(0), which a nested tensor answers too."""
+    if isinstance(mask, Tensor) and mask.dim() == 4:
+        return mask.size(0)
+    return 1
 
 
 def _matmul_precision() -> Tuple[str, ...]:
@@ -219,10 +222,11 @@ class MultiHeadAttentionBlock(nn.Module):
     bias-free ``nn.Linear(d_model, d_model)``. ``forward(q, k, v, mask)`` takes batch-first
     ``(batch, seq, d_model)`` tensors; where ``mask == 0`` (any dtype, broadcastable to
     ``(batch, h, Lq, Lk)``) the score is set to -1e9 before the softmax. After each forward,
-    ``attention_scores`` holds the post-dropout weights ``(batch, h, Lq, Lk)``, or None when
-    ``need_weights`` is False (which also saves their memory). With ``is_causal=True`` query i attends keys
-    j <= i only (top-left aligned when Lq != Lk), exactly as if ``tril(ones(Lq, Lk))`` were added to the mask,
-    without materializing it (the kernels skip the masked key blocks).
+    ``attention_scores`` holds the post-dropout weights ``(batch, h, Lq, Lk)`` (batch 1 where the query, key and
+    mask all have batch 1), or None when ``need_weights`` is False (which also saves their memory). With
+    ``is_causal=True`` query i attends keys j <= i only (top-left aligned when Lq != Lk), exactly as if
+    ``tril(ones(Lq, Lk))`` were added to the mask, without materializing it (the kernels skip the masked key
+    blocks).
 
     With gradients off, a block called again with the very same key and value tensors (a cross-attention in a
     decoder re-run over a growing prefix against one encoder output) reuses their projections from the
@@ -339,7 +343,7 @@ class MultiHeadAttentionBlock(nn.Module):
         Where ``mask == 0`` (any dtype, broadcastable to (batch, h, Lq, Lk), e.g. a (batch, 1, 1, Lk) padding
         mask) the score is -1e9 before the softmax. Returns (batch, Lq, d_model) and keeps the post-dropout
         weights (batch, h, Lq, Lk) in ``attention_scores`` when ``need_weights`` is True. An input of batch 1
-        broadcasts against the others' batch.
+        broadcasts against the others' batch; where the query, key and mask all have batch 1, so do the weights.
         """
         # Optional in the signature so that a scripted block sees None as None (not as an undefined tensor) and
         # names it.
@@ -433,7 +437,7 @@ class MultiHeadAttentionBlock(nn.Module):
         batch = max(q.shape[0], k.shape[0], v.shape[0])
         # The textbook's weights have the batch of the query, key and mask alone (the caller's, before an entry
         # repeated along the batch is taken once): where that is 1, the value's batch broadcasts them, dropout and all.
-        shared_weights = batch > 1 and max(q.shape[0], k.shape[0], _mask_batch(mask)) == 1
+        shared_weights = batch > 1 and q.shape[0] == 1 and k.shape[0] == 1 and _mask_batch(mask) == 1
         if not torch.jit.is_scripting():
             q, k, v = self._projected_entries(q, self.w_q), self._projected_entries(k, self.w_k), \
                 self._projected_entries(v, self.w_v)
@@ -441,7 +445,8 @@ class MultiHeadAttentionBlock(nn.Module):
             q, k, v = _first_if_repeated(q), _first_if_repeated(k), _first_if_repeated(v)
         queries, keys, values = self._heads_of(self.w_q(q), "w_q(query)"), self._heads_of(self.w_k(k), "w_k(key)"), \
             self._heads_of(self.w_v(v), "w_v(value)")
-        if shared_weights:  # weights of batch 1 times the values of the whole batch
+        # (A projection may still widen the batch, as a hook returning another output can.)
+        if shared_weights and queries.shape[0] == 1 and keys.shape[0] == 1:  # weights of batch 1 times all values
             _, attention_weights = self._attention_core(queries, keys, values[:1], mask, p, True, self.is_causal)
             heads_out = torch.matmul(attention_weights, values.expand(batch, -1, -1, -1))
         else:

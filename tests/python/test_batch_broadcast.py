@@ -61,12 +61,12 @@ def test_batch_one_broadcasts_as_the_oracle(case, hooked):
 
 
 @pytest.mark.parametrize("mask_shape", [None, (1, 1, 1, 6), (4, 6)])
-@pytest.mark.parametrize("path", ["fused", "module path", "scripted"])
+@pytest.mark.parametrize("path", ["plain", "hooked", "scripted"])
 def test_query_and_key_of_batch_one_keep_weights_of_batch_one(path, mask_shape):
     # With the query, key and mask of batch 1 the textbook's weights have batch 1, and the values' batch broadcasts
     # them.
     block, oracle = blocks()
-    if path == "module path":
+    if path == "hooked":
         block.w_k.register_forward_hook(lambda module, args, output: None)
     q, k, v, _ = make_inputs(SHAPES["query and key"])
     mask = None if mask_shape is None else (torch.arange(6) < 5).expand(mask_shape)
@@ -80,22 +80,58 @@ def test_query_and_key_of_batch_one_keep_weights_of_batch_one(path, mask_shape):
         torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.parametrize("scripted", [False, True], ids=["eager", "scripted"])
 @pytest.mark.parametrize("repeated", [False, True], ids=["batch 1", "expanded"])
-def test_weights_of_batch_one_share_their_dropout_over_the_values(repeated):
+def test_weights_of_batch_one_share_their_dropout_over_the_values(repeated, scripted):
     # The textbook drops the weights of batch 1 once, then multiplies every value entry by the same dropped weights.
     # A value repeated along its batch is projected once and still gives every entry's output.
     torch.manual_seed(0)
     block = fastmha.MultiHeadAttentionBlock(D_MODEL, H, 0.4).double().train()
     oracle = OracleBlock(D_MODEL, H).double()
     oracle.load_state_dict(block.state_dict())
+    model = torch.jit.script(block) if scripted else block
     q, k, v, _ = make_inputs(SHAPES["query and key"])
     if repeated:
         v = v[:1].expand(BATCH, -1, -1)
-    out = block(q, k, v)
-    weights = block.attention_scores
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = model(*inputs)
+    weights = model.attention_scores
     assert weights.shape == (1, H, 4, 6) and (weights == 0).any()
-    want, _ = oracle(q, k, v, None, keep=weights != 0, p=0.4)  # softmax weights are positive where kept
+    out.sin().sum().backward()
+    oracle_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    want, _ = oracle(*oracle_inputs, None, keep=weights != 0, p=0.4)  # softmax weights are positive where kept
+    want.sin().sum().backward()
     torch.testing.assert_close(out, want)
+    for got, expected in zip(inputs + [block.w_q.weight], oracle_inputs + [oracle.w_q.weight]):
+        torch.testing.assert_close(got.grad, expected.grad)
+
+
+def test_a_projection_that_widens_the_batch_gives_weights_of_that_batch():
+    # The weights' batch is that of the projected query and key: a hook may return a wider projection.
+    block, oracle = blocks()
+    noise = torch.randn(BATCH, 1, D_MODEL, dtype=torch.float64)
+    for module in (block, oracle):
+        module.w_q.register_forward_hook(lambda module, args, output: output.expand(BATCH, -1, -1) + noise)
+    q, k, v, _ = make_inputs(SHAPES["query and key"])
+    out, want = block(q, k, v), oracle(q, k, v)
+    assert block.attention_scores.shape == (BATCH, H, 4, 6)
+    torch.testing.assert_close(out, want[0])
+    torch.testing.assert_close(block.attention_scores, want[1])
+
+
+@pytest.mark.parametrize("case", ["nested", "list"])
+def test_a_bad_mask_is_named_on_the_module_path(case):
+    block, _ = blocks()
+    block.w_q.register_forward_hook(lambda module, args, output: None)
+    q, k, v, _ = make_inputs((BATCH, BATCH, BATCH))
+    if case == "nested":
+        mask = torch.nested.nested_tensor([torch.ones(1, 1, 6)] * BATCH)
+        message = "mask must be a dense \\(strided\\) tensor, got a nested tensor"
+    else:
+        mask = [[1, 1, 0, 1, 1, 1]]
+        message = "for argument 'mask' but instead found type 'list'"
+    with pytest.raises(RuntimeError, match=message):
+        block(q, k, v, mask)
 
 
 def test_batch_one_without_kept_weights_and_in_no_grad():
