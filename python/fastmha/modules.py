@@ -356,9 +356,11 @@ class MultiHeadAttentionBlock(nn.Module):
         fused = not (self._calls_modules or _broadcasts_batch(q, k, v) or _repeats_one_entry(q)
                      or _repeats_one_entry(k) or _repeats_one_entry(v)) if torch.jit.is_scripting() else \
             not self._takes_module_path(q, k, v)
-        # Decided when scripting (a constant): a block that calls its modules has no fused path in the scripted code,
-        # which could not compile it for a projection without a weight tensor (a wrapper, a quantized Linear).
-        if not (torch.jit.is_scripting() and self._calls_modules) and fused:
+        # Decided when scripting (a constant, and hasattr, for a subclass whose own __constants__ hide ours): a block
+        # that calls its modules has no fused path in the scripted code, which could not compile it for a projection
+        # without a weight tensor (a wrapper, a quantized Linear).
+        if not (torch.jit.is_scripting() and self._calls_modules) and fused and hasattr(self.w_q, "weight") \
+                and hasattr(self.w_k, "weight") and hasattr(self.w_v, "weight") and hasattr(self.w_o, "weight"):
             result: Optional[Tuple[Tensor, Tensor]] = None
             if not torch.jit.is_scripting():
                 result = self._forward_reusing_projections(q, k, v, mask, p if p < 1.0 else 0.0)
@@ -436,8 +438,9 @@ class MultiHeadAttentionBlock(nn.Module):
         ``p`` >= 1 every weight is dropped before ``w_o``, as in the textbook block (w_o's bias stays)."""
         batch = max(q.shape[0], k.shape[0], v.shape[0])
         # The textbook's weights have the batch of the query, key and mask alone (the caller's, before an entry
-        # repeated along the batch is taken once): where that is 1, the value's batch broadcasts them, dropout and all.
-        shared_weights = batch > 1 and q.shape[0] == 1 and k.shape[0] == 1 and _mask_batch(mask) == 1
+        # repeated along the batch is taken once, and the projections'): where that is 1, the value's batch
+        # broadcasts them, dropout and all.
+        query_and_key_of_one = q.shape[0] == 1 and k.shape[0] == 1
         if not torch.jit.is_scripting():
             q, k, v = self._projected_entries(q, self.w_q), self._projected_entries(k, self.w_k), \
                 self._projected_entries(v, self.w_v)
@@ -445,8 +448,10 @@ class MultiHeadAttentionBlock(nn.Module):
             q, k, v = _first_if_repeated(q), _first_if_repeated(k), _first_if_repeated(v)
         queries, keys, values = self._heads_of(self.w_q(q), "w_q(query)"), self._heads_of(self.w_k(k), "w_k(key)"), \
             self._heads_of(self.w_v(v), "w_v(value)")
-        # (A projection may still widen the batch, as a hook returning another output can.)
-        if shared_weights and queries.shape[0] == 1 and keys.shape[0] == 1:  # weights of batch 1 times all values
+        # A projection may widen the batch (a hook returning another output can): the textbook broadcasts it too.
+        batch = max(batch, queries.shape[0], keys.shape[0], values.shape[0])
+        if query_and_key_of_one and queries.shape[0] == 1 and keys.shape[0] == 1 and batch > 1 \
+                and _mask_batch(mask) == 1:  # weights of batch 1 times the values of the whole batch
             _, attention_weights = self._attention_core(queries, keys, values[:1], mask, p, True, self.is_causal)
             heads_out = torch.matmul(attention_weights, values.expand(batch, -1, -1, -1))
         else:
@@ -574,7 +579,8 @@ class MultiHeadAttentionBlock(nn.Module):
             key_cache, value_cache = cache
         p = self._dropout_p()
         fused = not self._calls_modules if torch.jit.is_scripting() else not self._step_takes_module_path()
-        if not (torch.jit.is_scripting() and self._calls_modules) and fused:  # as in forward
+        if not (torch.jit.is_scripting() and self._calls_modules) and fused and hasattr(self.w_q, "weight") \
+                and hasattr(self.w_k, "weight") and hasattr(self.w_v, "weight") and hasattr(self.w_o, "weight"):
             output, keys, values = torch.ops.fastmha.multi_head_attention_step(
                 x, self.w_q.weight, self.w_k.weight, self.w_v.weight, self.w_o.weight, self.h,
                 key_cache, value_cache, mask, p if p < 1.0 else 0.0,

@@ -106,24 +106,30 @@ def test_weights_of_batch_one_share_their_dropout_over_the_values(repeated, scri
         torch.testing.assert_close(got.grad, expected.grad)
 
 
-def test_a_projection_that_widens_the_batch_gives_weights_of_that_batch():
-    # The weights' batch is that of the projected query and key: a hook may return a wider projection.
+@pytest.mark.parametrize("widened", ["w_q", "w_v"])
+@pytest.mark.parametrize("case", ["query and key", "all"])
+def test_a_projection_that_widens_the_batch_broadcasts_as_the_oracle(case, widened):
+    # A hook may return a projection of a wider batch than its input: the textbook's matmuls broadcast it too, and
+    # the weights take the batch of the projected query and key.
     block, oracle = blocks()
     noise = torch.randn(BATCH, 1, D_MODEL, dtype=torch.float64)
     for module in (block, oracle):
-        module.w_q.register_forward_hook(lambda module, args, output: output.expand(BATCH, -1, -1) + noise)
-    q, k, v, _ = make_inputs(SHAPES["query and key"])
+        getattr(module, widened).register_forward_hook(lambda m, args, output: output.expand(BATCH, -1, -1) + noise)
+    q, k, v, _ = make_inputs(SHAPES["query and key"] if case == "query and key" else (1, 1, 1))
     out, want = block(q, k, v), oracle(q, k, v)
-    assert block.attention_scores.shape == (BATCH, H, 4, 6)
+    assert out.shape == want[0].shape == (BATCH, 4, D_MODEL)
+    assert block.attention_scores.shape == want[1].shape
     torch.testing.assert_close(out, want[0])
     torch.testing.assert_close(block.attention_scores, want[1])
 
 
+@pytest.mark.parametrize("batches", ["query and key", "memory"])
 @pytest.mark.parametrize("case", ["nested", "list"])
-def test_a_bad_mask_is_named_on_the_module_path(case):
+def test_a_bad_mask_is_named_on_the_module_path(case, batches):
+    # Whether the weights have batch 1 is asked of the mask only after the query's and key's batch (both 1).
     block, _ = blocks()
     block.w_q.register_forward_hook(lambda module, args, output: None)
-    q, k, v, _ = make_inputs((BATCH, BATCH, BATCH))
+    q, k, v, _ = make_inputs(SHAPES[batches])
     if case == "nested":
         mask = torch.nested.nested_tensor([torch.ones(1, 1, 6)] * BATCH)
         message = "mask must be a dense \\(strided\\) tensor, got a nested tensor"

@@ -242,6 +242,28 @@ def test_scripted_block_with_a_projection_without_a_weight():
         torch.testing.assert_close(scripted.forward_step(x[:, :2])[0], block.forward_step(x[:, :2])[0])
 
 
+class BlockWithConstants(fastmha.MultiHeadAttentionBlock):
+    """A subclass with constants of its own (TorchScript reads only the subclass's __constants__)."""
+
+    __constants__ = ["scale"]
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.scale = 1.0
+
+
+def test_scripted_subclass_with_its_own_constants_and_a_projection_without_a_weight(tmp_path):
+    torch.manual_seed(0)
+    block = BlockWithConstants(16, 2, 0.0).double().eval()
+    block.w_q = nn.Sequential(block.w_q)
+    scripted = torch.jit.script(block)
+    torch.jit.save(scripted, str(tmp_path / "block.pt"))
+    loaded = torch.jit.load(str(tmp_path / "block.pt"))
+    x, mask = inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x, x, x, mask), block(x, x, x, mask))
+
+
 @pytest.mark.filterwarnings("ignore:torch.ao.quantization is deprecated", "ignore:torch.quantize_per_tensor")
 def test_a_dynamically_quantized_block_scripts():
     # quantize_dynamic puts quantized Linear layers (whose weight is a method) in the projections' place: eager and
