@@ -104,8 +104,11 @@ def test_block_create_graph_gives_the_fused_backwards_gradients(device, dtype):
         torch.testing.assert_close(b.detach(), a, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("padding", ["light", "heavy"])
 @pytest.mark.parametrize("path", ["fused", "module path", "scripted"])
-def test_gradient_penalty_matches_the_oracle_block(device, path):
+def test_gradient_penalty_matches_the_oracle_block(device, path, padding):
+    # Heavy padding: keys that no query sees are not projected by the fused forward (zeros stand in for them, which
+    # the second-order graph reuses).
     torch.manual_seed(0)
     block = fastmha.MultiHeadAttentionBlock(16, 2, 0.0).double().to(device)
     oracle = OracleBlock(16, 2).double().to(device)
@@ -116,6 +119,8 @@ def test_gradient_penalty_matches_the_oracle_block(device, path):
     x = torch.randn(2, 5, 16, device=device, dtype=torch.float64)
     mask = torch.ones(2, 1, 1, 5, dtype=torch.int64, device=device)
     mask[1, ..., 3:] = 0
+    if padding == "heavy":
+        mask[0, ..., 2:] = 0
     results = []
     for m in (module, oracle):
         inputs = x.clone().requires_grad_()
@@ -178,12 +183,17 @@ def test_a_traced_penalty_replays_the_dropout_draw():
     torch.testing.assert_close(traced(q, k, v), expected)
 
 
-def test_create_graph_under_compiled_autograd():
+@pytest.mark.parametrize("op", ["attention", "block"])
+def test_create_graph_under_compiled_autograd(op):
     q, k, v = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3))
+    x, ws = torch.randn(1, 4, 8, requires_grad=True), [torch.randn(8, 8, requires_grad=True) for _ in range(4)]
 
     def first_order():
-        out, _ = torch.ops.fastmha.attention(q, k, v, None, 0.0, True)
-        return torch.autograd.grad(out.square().sum(), q, create_graph=True)[0]
+        if op == "attention":
+            out, _ = torch.ops.fastmha.attention(q, k, v, None, 0.0, True)
+            return torch.autograd.grad(out.square().sum(), q, create_graph=True)[0]
+        out, _ = torch.ops.fastmha.multi_head_attention(x, x, x, *ws, 2, None, 0.0, True)
+        return torch.autograd.grad(out.square().sum(), [x, ws[0]], create_graph=True)
 
     expected = first_order()
     torch._dynamo.reset()
@@ -192,9 +202,11 @@ def test_create_graph_under_compiled_autograd():
     torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.parametrize("lengths", [(5, 6), (181, 183)], ids=["short", "split among threads"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_dropout_multipliers_are_the_forwards(device, dtype):
-    q, k, v = (torch.randn(2, 3, n, 4, device=device, dtype=dtype) for n in (5, 6, 6))
+def test_dropout_multipliers_are_the_forwards(device, dtype, lengths):
+    # The longer one has more elements than one thread's share, in parts that do not start on a Philox block.
+    q, k, v = (torch.randn(2, 3, n, 4, device=device, dtype=dtype) for n in (lengths[0], lengths[1], lengths[1]))
     p = 0.35
     _, weights, _, rng_state = torch.ops.fastmha._attention_forward(q, k, v, None, p, True, False)
     multipliers = torch.ops.fastmha._dropout_multipliers(list(weights.shape), p, dtype, rng_state)

@@ -52,6 +52,26 @@ std::pair<at::Tensor, at::Tensor> projection_grads(const at::Tensor& x, const at
           weight_asked ? flatten_rows(grad).t().mm(flatten_rows(x)) : at::Tensor()};
 }
 
+// x W^T as a node of the graph, with the value the forward computed (its saved projection) instead of a GEMM: the
+// gradients built for a second differentiation need the projections as functions of x and W, not their numbers
+// again. The backward is the product's, in differentiable ATen ops as the rest of this graph. Rows of
+// unseen keys, which the forward left at zero (ops/unseen_keys.h), weigh exactly 0 there as in the forward.
+class SavedProjection : public torch::autograd::Function<SavedProjection> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& projection) {
+    ctx->save_for_backward({x, weight});
+    return projection;  // an input returned as is: autograd makes it a view with this node's gradient
+  }
+
+  static variable_list backward(torch::autograd::AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    auto [grad_x, grad_weight] =
+        projection_grads(saved[0], saved[1], grads[0], ctx->needs_input_grad(0), ctx->needs_input_grad(1));
+    return {grad_x, grad_weight, at::Tensor()};
+  }
+};
+
 }  // namespace
 
 variable_list attention_grads_with_graph(const variable_list& inputs, const std::optional<at::Tensor>& mask,
@@ -64,17 +84,19 @@ variable_list attention_grads_with_graph(const variable_list& inputs, const std:
   return {grad_query, grad_key, grad_value};
 }
 
-variable_list block_grads_with_graph(const variable_list& inputs, const std::array<bool, 7>& asked, int64_t num_heads,
+variable_list block_grads_with_graph(const variable_list& inputs, const variable_list& projections,
+                                     const std::array<bool, 7>& asked, int64_t num_heads,
                                      const std::optional<at::Tensor>& mask, const at::Tensor& rng_state,
                                      double dropout_p, bool is_causal, const at::Tensor& grad_output,
                                      const at::Tensor& grad_weights) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   const auto &query = inputs[0], &key = inputs[1], &value = inputs[2];
   const auto &w_q = inputs[3], &w_k = inputs[4], &w_v = inputs[5], &w_o = inputs[6];
-  const auto heads = [&](const at::Tensor& x, const at::Tensor& w) {
-    return split_heads(at::matmul(x, w.t()), num_heads);
+  const auto heads = [&](const at::Tensor& x, const at::Tensor& w, const at::Tensor& projection) {
+    return split_heads(SavedProjection::apply(x, w, projection), num_heads);
   };
-  const auto q = heads(query, w_q), k = heads(key, w_k), v = heads(value, w_v);
+  const auto q = heads(query, w_q, projections[0]), k = heads(key, w_k, projections[1]);
+  const auto v = heads(value, w_v, projections[2]);
   // Without an output gradient only the weights have one: nothing flows through w_o, the value or w_v.
   const auto grad_context = grad_output.defined() ? split_heads(at::matmul(grad_output, w_o), num_heads) : at::Tensor();
   // The weights after dropout, as the forward applied them: w_o's gradient needs the context they give.

@@ -63,9 +63,10 @@ class MultiHeadAttentionFunction : public torch::autograd::Function<MultiHeadAtt
       for (size_t i = 0; i < asked.size(); ++i) {
         asked[i] = ctx->needs_input_grad(i);
       }
-      auto g = detail::block_grads_with_graph(
-          {s[0], s[1], s[2], s[3], s[4], s[5], s[6]}, asked, ctx->saved_data["num_heads"].toInt(), mask, s[12],
-          ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["is_causal"].toBool(), grads[0], grads[1]);
+      auto g = detail::block_grads_with_graph({s[0], s[1], s[2], s[3], s[4], s[5], s[6]}, {s[7], s[8], s[9]}, asked,
+                                              ctx->saved_data["num_heads"].toInt(), mask, s[12],
+                                              ctx->saved_data["dropout_p"].toDouble(),
+                                              ctx->saved_data["is_causal"].toBool(), grads[0], grads[1]);
       g.resize(12);  // num_heads, mask, dropout_p, need_weights, is_causal: no gradient
       return g;
     }
