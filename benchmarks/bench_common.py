@@ -1,10 +1,12 @@
 """What the small CPU benchmarks share: interleaved timing, their header (versions, CPU model and ISA) and their
 results files."""
 
+import argparse
 import datetime
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -49,3 +51,18 @@ def write_results(out, header, rows, page):
     out.parent.mkdir(parents=True, exist_ok=True)
     results_file(out, ".json").write_text(json.dumps({"machine": header, "rows": rows}, indent=1) + "\n")
     results_file(out, ".md").write_text(page)
+
+
+def start(doc, default_repeats, add_arguments=None):
+    """The command line of a small benchmark (--out, --repeats, --quick, and what add_arguments(parser) adds) and
+    its start: returns (args, repeats: 1 for --quick, the machine header, printed)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="write OUT.json and OUT.md")
+    parser.add_argument("--repeats", type=int, default=default_repeats)
+    parser.add_argument("--quick", action="store_true")
+    if add_arguments is not None:
+        add_arguments(parser)
+    args = parser.parse_args()
+    header = machine_header()
+    print("\n".join(header), flush=True)
+    return args, 1 if args.quick else args.repeats, header

@@ -10,15 +10,13 @@ ratio is stock time / own time (> 1: fastmha's is faster). Results are stamped w
     python benchmarks/bench_cpu_backward_kernels.py --quick     # a smoke run (seconds)
 """
 
-import argparse
 import os
 import sys
-from pathlib import Path
 
 import torch
 
 import fastmha  # noqa: F401 (loads the ops)
-from bench_common import interleaved_ms, machine_header, markdown, write_results
+from bench_common import interleaved_ms, markdown, start, write_results
 
 OPS = torch.ops.fastmha
 # (dtype, mask, head_dim, batch, length)
@@ -63,14 +61,7 @@ def results_page(header, rows, repeats):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, help="write OUT.json and OUT.md")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    repeats = 1 if args.quick else args.repeats
-    header = machine_header()
-    print("\n".join(header), flush=True)
+    args, repeats, header = start(__doc__, 5)
     rows = []
     for case in QUICK_CASES if args.quick else CASES:
         row = measure(*case, repeats)

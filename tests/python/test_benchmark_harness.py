@@ -124,3 +124,16 @@ def test_bench_model_quick_run_trains_and_decodes_with_every_block(tmp_path):
     assert [r["task"] for r in result["rows"]] == ["train", "decode"]
     assert all(r["ms"][peer] > 0 for r in result["rows"] for peer in ("oracle", "fastmha", "bound"))
     assert all(r["oracle_over_bound"] == round(r["ms"]["oracle"] / r["ms"]["bound"], 3) for r in result["rows"])
+
+
+def test_bench_double_backward_quick_run(tmp_path):
+    out = tmp_path / "double-backward"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_double_backward.py"), "--quick", "--out",
+                    str(out)], check=True, capture_output=True, timeout=300)
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [(r["batch"], r["length"]) for r in rows] == [(2, 16)]
+    assert set(rows[0]["ms"]) == {"penalty_fastmha", "penalty_oracle", "plain_fastmha", "plain_oracle"}
+    assert all(t > 0 for t in rows[0]["ms"].values())
+    assert rows[0]["penalty_ratio"] == pytest.approx(rows[0]["ms"]["penalty_oracle"] / rows[0]["ms"]["penalty_fastmha"],
+                                                     abs=0.01)
+    assert "| 2 | 16 | 32 | 4 |" in out.with_suffix(".md").read_text()

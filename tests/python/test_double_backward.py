@@ -185,20 +185,27 @@ def test_a_traced_penalty_replays_the_dropout_draw():
 
 @pytest.mark.parametrize("op", ["attention", "block"])
 def test_create_graph_under_compiled_autograd(op):
-    q, k, v = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3))
-    x, ws = torch.randn(1, 4, 8, requires_grad=True), [torch.randn(8, 8, requires_grad=True) for _ in range(4)]
+    q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    x = torch.randn(1, 4, 8, dtype=torch.float64, requires_grad=True)
+    ws = [torch.randn(8, 8, dtype=torch.float64, requires_grad=True) for _ in range(4)]
 
-    def first_order():
+    def penalty():
+        # First order with create_graph, then second order: the graph's own nodes run under compiled autograd too.
         if op == "attention":
             out, _ = torch.ops.fastmha.attention(q, k, v, None, 0.0, True)
-            return torch.autograd.grad(out.square().sum(), q, create_graph=True)[0]
-        out, _ = torch.ops.fastmha.multi_head_attention(x, x, x, *ws, 2, None, 0.0, True)
-        return torch.autograd.grad(out.square().sum(), [x, ws[0]], create_graph=True)
+            first = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+            leaves = [q, k, v]
+        else:
+            out, _ = torch.ops.fastmha.multi_head_attention(x, x, x, *ws, 2, None, 0.0, True)
+            first = torch.autograd.grad(out.square().sum(), [x, ws[0]], create_graph=True)
+            leaves = [x, *ws]
+        second = torch.autograd.grad(sum(g.square().sum() for g in first), leaves)
+        return [g.detach() for g in first], second
 
-    expected = first_order()
+    expected = penalty()
     torch._dynamo.reset()
     with torch._dynamo.config.patch(compiled_autograd=True):
-        got = torch.compile(first_order, backend="eager")()
+        got = torch.compile(penalty, backend="eager")()
     torch.testing.assert_close(got, expected)
 
 
@@ -215,6 +222,23 @@ def test_dropout_multipliers_are_the_forwards(device, dtype, lengths):
     assert len(values) == 2 and values[0] == 0.0 and values[1] == pytest.approx(1 / (1 - p))
     torch.testing.assert_close(weights, probs * multipliers)
     torch.library.opcheck(torch.ops.fastmha._dropout_multipliers.default, (list(weights.shape), p, dtype, rng_state))
+
+
+def test_dropout_multipliers_do_not_depend_on_the_thread_count():
+    # Threads split the elements into parts that may start inside a Philox block (four elements each): every part
+    # and every length draws the elements of one stream.
+    rng_state = torch.tensor([1234, 5678])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        longest = torch.ops.fastmha._dropout_multipliers([200_003], 0.3, torch.float32, rng_state)
+        for count in (2, 3, 5, 7):
+            torch.set_num_threads(count)
+            for n in (0, 1, 3, 16_385, 99_999, 200_003):
+                got = torch.ops.fastmha._dropout_multipliers([n], 0.3, torch.float32, rng_state)
+                assert torch.equal(got, longest[:n]), (count, n)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("op", ["attention", "block"])
