@@ -28,19 +28,16 @@ SIZES = [(8, 64, 512, 8), (4, 256, 256, 4), (2, 1024, 512, 8)]
 QUICK_SIZES = [(2, 16, 32, 4)]
 
 
-def penalty_step(block, x):
+def step(block, x, penalty):
+    """A training step of self-attention on x: the loss sum(out^2), or with penalty the squared norm of its input
+    gradient (taken with create_graph=True)."""
     inputs = x.clone().requires_grad_()
     out = block(inputs, inputs, inputs)
-    out = out if isinstance(out, torch.Tensor) else out[0]
-    (grad,) = torch.autograd.grad(out.square().sum(), inputs, create_graph=True)
-    grad.square().sum().backward()
-
-
-def plain_step(block, x):
-    inputs = x.clone().requires_grad_()
-    out = block(inputs, inputs, inputs)
-    out = out if isinstance(out, torch.Tensor) else out[0]
-    out.square().sum().backward()
+    loss = (out if isinstance(out, torch.Tensor) else out[0]).square().sum()
+    if penalty:
+        (grad,) = torch.autograd.grad(loss, inputs, create_graph=True)
+        loss = grad.square().sum()
+    loss.backward()
 
 
 def measure(batch, length, d_model, heads, dropout_p, repeats):
@@ -49,9 +46,8 @@ def measure(batch, length, d_model, heads, dropout_p, repeats):
     oracle = OracleBlock(d_model, heads, dropout_p).train()
     oracle.load_state_dict(block.state_dict())
     x = torch.randn(batch, length, d_model)
-    calls = {f"{step}_{name}": (lambda f=f, m=m: f(m, x))
-             for step, f in (("penalty", penalty_step), ("plain", plain_step))
-             for name, m in (("fastmha", block), ("oracle", oracle))}
+    calls = {f"{kind}_{name}": (lambda m=m, penalty=kind == "penalty": step(m, x, penalty))
+             for kind in ("penalty", "plain") for name, m in (("fastmha", block), ("oracle", oracle))}
     ms = {name: round(t, 1) for name, t in interleaved_ms(calls, repeats).items()}
     return {"batch": batch, "length": length, "d_model": d_model, "heads": heads, "dropout": dropout_p, "ms": ms,
             "penalty_ratio": round(ms["penalty_oracle"] / ms["penalty_fastmha"], 2),

@@ -353,9 +353,8 @@ class MultiHeadAttentionBlock(nn.Module):
         p = self._dropout_p()
         # An input of batch 1, or one expanded along its batch, takes the module path too, which projects its entry
         # once and broadcasts the projection.
-        fused = not (self._calls_modules or _broadcasts_batch(q, k, v) or _repeats_one_entry(q)
-                     or _repeats_one_entry(k) or _repeats_one_entry(v)) if torch.jit.is_scripting() else \
-            not self._takes_module_path(q, k, v)
+        fused = not (_broadcasts_batch(q, k, v) or _repeats_one_entry(q) or _repeats_one_entry(k)
+                     or _repeats_one_entry(v)) if torch.jit.is_scripting() else not self._takes_module_path(q, k, v)
         # Decided when scripting (a constant, and hasattr, for a subclass whose own __constants__ hide ours): a block
         # that calls its modules has no fused path in the scripted code, which could not compile it for a projection
         # without a weight tensor (a wrapper, a quantized Linear).
@@ -578,7 +577,7 @@ class MultiHeadAttentionBlock(nn.Module):
         if cache is not None:
             key_cache, value_cache = cache
         p = self._dropout_p()
-        fused = not self._calls_modules if torch.jit.is_scripting() else not self._step_takes_module_path()
+        fused = torch.jit.is_scripting() or not self._step_takes_module_path()  # scripted: _calls_modules decides
         if not (torch.jit.is_scripting() and self._calls_modules) and fused and hasattr(self.w_q, "weight") \
                 and hasattr(self.w_k, "weight") and hasattr(self.w_v, "weight") and hasattr(self.w_o, "weight"):
             output, keys, values = torch.ops.fastmha.multi_head_attention_step(
