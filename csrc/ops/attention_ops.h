@@ -40,7 +40,8 @@ MultiHeadAttentionForwardResult multi_head_attention_forward(const at::Tensor& q
                                                              const std::optional<at::Tensor>& mask, double dropout_p,
                                                              bool need_weights, bool is_causal);
 
-// (grad_query, grad_key, grad_value, grad_w_q, grad_w_k, grad_w_v, grad_w_o)
+// (grad_query, grad_key, grad_value, grad_w_q, grad_w_k, grad_w_v, grad_w_o). `grad_*_proj`: gradients that
+// reached the saved projections by another path (a second-order graph built on them), added to the attention's.
 using MultiHeadAttentionBackwardResult =
     std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
@@ -49,6 +50,9 @@ MultiHeadAttentionBackwardResult multi_head_attention_backward(
     const at::Tensor& key, const at::Tensor& value, const at::Tensor& w_q, const at::Tensor& w_k, const at::Tensor& w_v,
     const at::Tensor& w_o, const at::Tensor& query_proj, const at::Tensor& key_proj, const at::Tensor& value_proj,
     const at::Tensor& context, const at::Tensor& logsumexp, const at::Tensor& rng_state, int64_t num_heads,
-    const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal, const std::optional<at::Tensor>& weights);
+    const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal, const std::optional<at::Tensor>& weights,
+    const std::optional<at::Tensor>& grad_query_proj = std::nullopt,
+    const std::optional<at::Tensor>& grad_key_proj = std::nullopt,
+    const std::optional<at::Tensor>& grad_value_proj = std::nullopt);
 
 }  // namespace fastmha::detail

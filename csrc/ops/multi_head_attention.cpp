@@ -51,12 +51,15 @@ MultiHeadAttentionBackwardResult multi_head_attention_backward(
     const at::Tensor& key, const at::Tensor& value, const at::Tensor& w_q, const at::Tensor& w_k, const at::Tensor& w_v,
     const at::Tensor& w_o, const at::Tensor& query_proj, const at::Tensor& key_proj, const at::Tensor& value_proj,
     const at::Tensor& context, const at::Tensor& logsumexp, const at::Tensor& rng_state, int64_t num_heads,
-    const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal, const std::optional<at::Tensor>& weights) {
+    const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal, const std::optional<at::Tensor>& weights,
+    const std::optional<at::Tensor>& grad_query_proj, const std::optional<at::Tensor>& grad_key_proj,
+    const std::optional<at::Tensor>& grad_value_proj) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastmha::_multi_head_attention_backward", "")
                        .typed<decltype(multi_head_attention_backward)>();
   return op.call(grad_output, grad_weights, query, key, value, w_q, w_k, w_v, w_o, query_proj, key_proj, value_proj,
-                 context, logsumexp, rng_state, num_heads, mask, dropout_p, is_causal, weights);
+                 context, logsumexp, rng_state, num_heads, mask, dropout_p, is_causal, weights, grad_query_proj,
+                 grad_key_proj, grad_value_proj);
 }
 
 }  // namespace detail
@@ -121,18 +124,24 @@ detail::MultiHeadAttentionBackwardResult multi_head_attention_backward_kernel(
     const at::Tensor& key, const at::Tensor& value, const at::Tensor& w_q, const at::Tensor& w_k, const at::Tensor& w_v,
     const at::Tensor& w_o, const at::Tensor& query_proj, const at::Tensor& key_proj, const at::Tensor& value_proj,
     const at::Tensor& context, const at::Tensor& logsumexp, const at::Tensor& rng_state, int64_t num_heads,
-    const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal, const std::optional<at::Tensor>& weights) {
+    const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal, const std::optional<at::Tensor>& weights,
+    const std::optional<at::Tensor>& grad_query_proj, const std::optional<at::Tensor>& grad_key_proj,
+    const std::optional<at::Tensor>& grad_value_proj) {
   // output = context @ w_o^T
   auto [grad_context, grad_w_o] = projection_backward(grad_output, context, w_o);
   auto [grad_q_heads, grad_k_heads, grad_v_heads] =
       detail::attention_backward(split_heads(grad_context, num_heads), grad_weights, split_heads(query_proj, num_heads),
                                  split_heads(key_proj, num_heads), split_heads(value_proj, num_heads), mask,
                                  split_heads(context, num_heads), logsumexp, rng_state, dropout_p, is_causal, weights);
-  // x_proj = x @ w_x^T for x in (query, key, value)
+  // x_proj = x @ w_x^T for x in (query, key, value); a gradient that reached x_proj by another path joins the
+  // attention's before the products, which then run once for both.
+  const auto grad_proj = [&](const at::Tensor& heads, const std::optional<at::Tensor>& other) {
+    return other.has_value() ? merge_heads(heads) + *other : merge_heads(heads);
+  };
   WidenedInputs inputs({query, key, value});
-  auto [grad_query, grad_w_q] = projection_backward(merge_heads(grad_q_heads), query, w_q, inputs);
-  auto [grad_key, grad_w_k] = projection_backward(merge_heads(grad_k_heads), key, w_k, inputs);
-  auto [grad_value, grad_w_v] = projection_backward(merge_heads(grad_v_heads), value, w_v, inputs);
+  auto [grad_query, grad_w_q] = projection_backward(grad_proj(grad_q_heads, grad_query_proj), query, w_q, inputs);
+  auto [grad_key, grad_w_k] = projection_backward(grad_proj(grad_k_heads, grad_key_proj), key, w_k, inputs);
+  auto [grad_value, grad_w_v] = projection_backward(grad_proj(grad_v_heads, grad_value_proj), value, w_v, inputs);
   return {grad_query, grad_key, grad_value, grad_w_q, grad_w_k, grad_w_v, grad_w_o};
 }
 
@@ -168,7 +177,8 @@ TORCH_LIBRARY_FRAGMENT(fastmha, m) {
       "_multi_head_attention_backward(Tensor grad_output, Tensor? grad_weights, Tensor query, Tensor key, "
       "Tensor value, Tensor w_q, Tensor w_k, Tensor w_v, Tensor w_o, Tensor query_proj, Tensor key_proj, "
       "Tensor value_proj, Tensor context, Tensor logsumexp, Tensor rng_state, int num_heads, Tensor? mask, "
-      "float dropout_p, bool is_causal, Tensor? weights=None) -> (Tensor grad_query, Tensor grad_key, "
+      "float dropout_p, bool is_causal, Tensor? weights=None, Tensor? grad_query_proj=None, "
+      "Tensor? grad_key_proj=None, Tensor? grad_value_proj=None) -> (Tensor grad_query, Tensor grad_key, "
       "Tensor grad_value, Tensor grad_w_q, Tensor grad_w_k, Tensor grad_w_v, Tensor grad_w_o)");
   // For the block's reuse of key and value projections kept from an earlier call (python/fastmha/modules.py).
   m.def("_unseen_keys_weigh_zero(Tensor logsumexp, int len_k) -> bool");

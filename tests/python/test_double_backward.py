@@ -133,6 +133,47 @@ def test_gradient_penalty_matches_the_oracle_block(device, path, padding):
         torch.testing.assert_close(got, expected)
 
 
+FIRST_LOSSES = {
+    "linear in the output": lambda out, weights, c: (out * c).sum(),
+    "weights and linear output": lambda out, weights, c: weights.square().sum() + (out * c).sum(),
+    "weights and squared output": lambda out, weights, c: weights.square().sum() + out.square().sum(),
+    "weights only": lambda out, weights, c: weights.square().sum(),
+}
+
+
+@pytest.mark.parametrize("loss", list(FIRST_LOSSES))
+def test_second_order_through_each_output_matches_the_oracle(device, loss):
+    # The second differentiation reaches the block's node through the projections its first-order gradients were
+    # built on, and through its output and kept weights where the first loss was not linear in them: each
+    # combination against the oracle block, gradients of every input and weight (None where the oracle's are).
+    torch.manual_seed(0)
+    oracle = OracleBlock(8, 2).double().to(device)
+    x = torch.randn(2, 4, 8, device=device, dtype=torch.float64)
+    memory = torch.randn(2, 5, 8, device=device, dtype=torch.float64)
+    mask = torch.tensor([1, 1, 1, 0, 1], device=device)[None, None, None, :]
+    scale = torch.randn(2, 4, 8, device=device, dtype=torch.float64)
+    names = ["w_q.weight", "w_k.weight", "w_v.weight", "w_o.weight"]
+
+    def fused(x, memory, *ws):
+        return torch.ops.fastmha.multi_head_attention(x, memory, memory, *ws, 2, mask)
+
+    def formulas(x, memory, *ws):
+        return torch.func.functional_call(oracle, dict(zip(names, ws)), (x, memory, memory, mask))
+
+    results = []
+    for block in (fused, formulas):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, memory, *(oracle.get_parameter(n) for n in names))]
+        out, weights = block(*leaves)
+        first = torch.autograd.grad(FIRST_LOSSES[loss](out, weights, scale), leaves, create_graph=True,
+                                    allow_unused=True)
+        penalty = sum(g.square().sum() for g in first if g is not None)
+        results.append(torch.autograd.grad(penalty, leaves, allow_unused=True))
+    for got, expected in zip(*results):
+        assert (got is None) == (expected is None)
+        if expected is not None:
+            torch.testing.assert_close(got, expected)
+
+
 def test_hessian_vector_product_of_a_decoding_step(device):
     torch.manual_seed(0)
     block = fastmha.MultiHeadAttentionBlock(8, 2, 0.0).double().to(device)

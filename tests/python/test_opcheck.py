@@ -83,6 +83,11 @@ def test_opcheck_internal_block_ops(device, mask_kind, is_causal):
     torch.library.opcheck(
         OPS._multi_head_attention_backward.default,
         (torch.randn_like(out), None, x, kv, kv, *ws, qp, kp, vp, ctx, lse, rng_state, 2, mask, 0.0, is_causal, weights))
+    # With gradients that reached the projections by another path (a second-order graph built on them).
+    torch.library.opcheck(
+        OPS._multi_head_attention_backward.default,
+        (torch.randn_like(out), None, x, kv, kv, *ws, qp, kp, vp, ctx, lse, rng_state, 2, mask, 0.0, is_causal, None,
+         torch.randn_like(qp), None, torch.randn_like(vp)))
 
 
 @pytest.mark.parametrize("with_cache", [False, True])

@@ -52,26 +52,6 @@ std::pair<at::Tensor, at::Tensor> projection_grads(const at::Tensor& x, const at
           weight_asked ? flatten_rows(grad).t().mm(flatten_rows(x)) : at::Tensor()};
 }
 
-// x W^T as a node of the graph, with the value the forward computed (its saved projection) instead of a GEMM: the
-// gradients built for a second differentiation need the projections as functions of x and W, not their numbers
-// again. The backward is the product's, in differentiable ATen ops as the rest of this graph. Rows of
-// unseen keys, which the forward left at zero (ops/unseen_keys.h), weigh exactly 0 there as in the forward.
-class SavedProjection : public torch::autograd::Function<SavedProjection> {
- public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const at::Tensor& projection) {
-    ctx->save_for_backward({x, weight});
-    return projection;  // an input returned as is: autograd makes it a view with this node's gradient
-  }
-
-  static variable_list backward(torch::autograd::AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    auto [grad_x, grad_weight] =
-        projection_grads(saved[0], saved[1], grads[0], ctx->needs_input_grad(0), ctx->needs_input_grad(1));
-    return {grad_x, grad_weight, at::Tensor()};
-  }
-};
-
 }  // namespace
 
 variable_list attention_grads_with_graph(const variable_list& inputs, const std::optional<at::Tensor>& mask,
@@ -85,36 +65,37 @@ variable_list attention_grads_with_graph(const variable_list& inputs, const std:
 }
 
 variable_list block_grads_with_graph(const variable_list& inputs, const variable_list& projections,
-                                     const std::array<bool, 7>& asked, int64_t num_heads,
-                                     const std::optional<at::Tensor>& mask, const at::Tensor& rng_state,
-                                     double dropout_p, bool is_causal, const at::Tensor& grad_output,
-                                     const at::Tensor& grad_weights) {
+                                     const variable_list& grad_projections, const std::array<bool, 7>& asked,
+                                     int64_t num_heads, const std::optional<at::Tensor>& mask,
+                                     const at::Tensor& rng_state, double dropout_p, bool is_causal,
+                                     const at::Tensor& grad_output, const at::Tensor& grad_weights) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-  const auto &query = inputs[0], &key = inputs[1], &value = inputs[2];
-  const auto &w_q = inputs[3], &w_k = inputs[4], &w_v = inputs[5], &w_o = inputs[6];
-  const auto heads = [&](const at::Tensor& x, const at::Tensor& w, const at::Tensor& projection) {
-    return split_heads(SavedProjection::apply(x, w, projection), num_heads);
-  };
-  const auto q = heads(query, w_q, projections[0]), k = heads(key, w_k, projections[1]);
-  const auto v = heads(value, w_v, projections[2]);
-  // Without an output gradient only the weights have one: nothing flows through w_o, the value or w_v.
+  const auto& w_o = inputs[6];
+  // The projections are the node's own outputs: a second differentiation reaches them as functions of the inputs
+  // and weights. Rows of unseen keys, which the forward left at zero (ops/unseen_keys.h), weigh exactly 0 there as
+  // in the forward.
+  const auto q = split_heads(projections[0], num_heads), k = split_heads(projections[1], num_heads);
+  const auto v = split_heads(projections[2], num_heads);
+  // Without an output gradient only the weights have one: nothing flows through w_o.
   const auto grad_context = grad_output.defined() ? split_heads(at::matmul(grad_output, w_o), num_heads) : at::Tensor();
   // The weights after dropout, as the forward applied them: w_o's gradient needs the context they give.
   at::Tensor applied;
   const auto [grad_q, grad_k, grad_v] =
       core_grads(q, k, v, mask, rng_state, dropout_p, is_causal, grad_context, grad_weights, &applied);
   variable_list grads(7);
-  if (!grad_q.defined()) {
-    return grads;
-  }
-  std::tie(grads[0], grads[3]) = projection_grads(query, w_q, merge_heads(grad_q), asked[0], asked[3]);
-  std::tie(grads[1], grads[4]) = projection_grads(key, w_k, merge_heads(grad_k), asked[1], asked[4]);
-  if (grad_output.defined()) {
-    std::tie(grads[2], grads[5]) = projection_grads(value, w_v, merge_heads(grad_v), asked[2], asked[5]);
-    if (asked[6]) {  // the context w_o multiplied, from the weights the core's gradients recomputed
-      const auto context = merge_heads(at::matmul(applied, v.to(applied.scalar_type())).to(v.scalar_type()));
-      grads[6] = flatten_rows(grad_output).t().mm(flatten_rows(context));
+  const std::array<at::Tensor, 3> grad_heads{grad_q, grad_k, grad_v};
+  for (size_t i = 0; i < grad_heads.size(); ++i) {
+    // x_proj = x W^T for x in (query, key, value), its gradient from the attention and from other paths
+    const auto& other = grad_projections[i];
+    const auto merged = grad_heads[i].defined() ? merge_heads(grad_heads[i]) : at::Tensor();
+    const auto grad = merged.defined() && other.defined() ? merged + other : merged.defined() ? merged : other;
+    if (grad.defined()) {
+      std::tie(grads[i], grads[i + 3]) = projection_grads(inputs[i], inputs[i + 3], grad, asked[i], asked[i + 3]);
     }
+  }
+  if (grad_output.defined() && asked[6]) {  // the context w_o multiplied, from the weights the core recomputed
+    const auto context = merge_heads(at::matmul(applied, v.to(applied.scalar_type())).to(v.scalar_type()));
+    grads[6] = flatten_rows(grad_output).t().mm(flatten_rows(context));
   }
   return grads;
 }

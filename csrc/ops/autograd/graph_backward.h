@@ -20,11 +20,13 @@ torch::autograd::variable_list attention_grads_with_graph(const torch::autograd:
                                                           const at::Tensor& grad_output,
                                                           const at::Tensor& grad_weights);
 
-// The block's (query, key, value, w_q, w_k, w_v, w_o) gradients, likewise (none for value, w_v and w_o where only
-// the weights have a gradient), each only where `asked` (the others undefined). `projections`: the forward's
-// (query, key, value) projections, which stand in for recomputing them.
+// The block's (query, key, value, w_q, w_k, w_v, w_o) gradients, likewise (none for w_o, nor for value and w_v
+// without a value projection gradient, where only the weights have a gradient), each only where `asked` (the others
+// undefined). `projections`: the forward's (query, key, value) projections, outputs of the block's node, which
+// stand in for recomputing them; `grad_projections`: their gradients (or undefined), added to the attention's.
 torch::autograd::variable_list block_grads_with_graph(const torch::autograd::variable_list& inputs,
                                                       const torch::autograd::variable_list& projections,
+                                                      const torch::autograd::variable_list& grad_projections,
                                                       const std::array<bool, 7>& asked, int64_t num_heads,
                                                       const std::optional<at::Tensor>& mask,
                                                       const at::Tensor& rng_state, double dropout_p, bool is_causal,

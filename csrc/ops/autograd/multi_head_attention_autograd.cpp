@@ -45,43 +45,57 @@ class MultiHeadAttentionFunction : public torch::autograd::Function<MultiHeadAtt
     // Kept weights that the loss never reads get no gradient: no (batch, h, Lq, Lk) tensor of zeros is made,
     // filled and read back in the backward.
     ctx->set_materialize_grads(false);
-    // Without kept weights the Function has the output alone: its caller makes the empty weights tensor. Marking
-    // that tensor non-differentiable instead would leave the node unusable under compiled autograd.
+    // The projections are outputs too, which the caller drops: gradients built on them for a second
+    // differentiation (create_graph=True) come back to this node, which adds them to the attention's before its
+    // projection products, run once for both. Without kept weights the Function has no weights output: its caller
+    // makes the empty weights tensor. Marking that tensor non-differentiable instead would leave the node unusable
+    // under compiled autograd.
+    TORCH_INTERNAL_ASSERT(!query_proj.is_same(key_proj) && !key_proj.is_same(value_proj) &&
+                          !query_proj.is_same(value_proj));
     if (!need_weights) {
-      return {output};
+      return {output, query_proj, key_proj, value_proj};
     }
-    return {output, weights};
+    return {output, query_proj, key_proj, value_proj, weights};
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    grads.resize(2);  // a call without kept weights has the output alone
+    grads.resize(5);  // (output, query_proj, key_proj, value_proj, weights); no weights output without kept weights
+    const auto &grad_output = grads[0], &grad_weights = grads[4];
+    const torch::autograd::variable_list grad_projections{grads[1], grads[2], grads[3]};
     const auto s = ctx->get_saved_variables();
     const auto mask = detail::optional_if_defined(s[13]);
-    if (at::GradMode::is_enabled()) {  // create_graph=True: gradients that can be differentiated again
+    // With create_graph=True: gradients that can be differentiated again. Also where a second-order gradient
+    // reaches the projections alone: their products' gradients, no attention backward.
+    if (at::GradMode::is_enabled() || (!grad_output.defined() && !grad_weights.defined())) {
       std::array<bool, 7> asked{};
       for (size_t i = 0; i < asked.size(); ++i) {
         asked[i] = ctx->needs_input_grad(i);
       }
-      auto g = detail::block_grads_with_graph({s[0], s[1], s[2], s[3], s[4], s[5], s[6]}, {s[7], s[8], s[9]}, asked,
-                                              ctx->saved_data["num_heads"].toInt(), mask, s[12],
-                                              ctx->saved_data["dropout_p"].toDouble(),
-                                              ctx->saved_data["is_causal"].toBool(), grads[0], grads[1]);
+      auto g = detail::block_grads_with_graph({s[0], s[1], s[2], s[3], s[4], s[5], s[6]}, {s[7], s[8], s[9]},
+                                              grad_projections, asked, ctx->saved_data["num_heads"].toInt(), mask,
+                                              s[12], ctx->saved_data["dropout_p"].toDouble(),
+                                              ctx->saved_data["is_causal"].toBool(), grad_output, grad_weights);
       g.resize(12);  // num_heads, mask, dropout_p, need_weights, is_causal: no gradient
       return g;
     }
-    const auto grad_weights = detail::optional_if_defined(grads[1]);
     // The output has the merged context's shape and dtype (w_o is d_model x d_model).
-    const auto grad_output = grads[0].defined() ? grads[0] : at::zeros_like(s[10]);
     auto [grad_query, grad_key, grad_value, grad_w_q, grad_w_k, grad_w_v, grad_w_o] =
         detail::multi_head_attention_backward(
-            grad_output, grad_weights, s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9], s[10], s[11], s[12],
+            grad_output.defined() ? grad_output : at::zeros_like(s[10]), detail::optional_if_defined(grad_weights),
+            s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9], s[10], s[11], s[12],
             ctx->saved_data["num_heads"].toInt(), mask, ctx->saved_data["dropout_p"].toDouble(),
-            ctx->saved_data["is_causal"].toBool(), detail::optional_if_defined(s[14]));
-    if (!grads[0].defined()) {
-      // Only the kept weights reach the loss: the value and the projections around it get no gradient (None, as in
-      // the textbook block), not zeros that an optimizer's decay and momentum would act on.
-      grad_value = grad_w_v = grad_w_o = at::Tensor();
+            ctx->saved_data["is_causal"].toBool(), detail::optional_if_defined(s[14]),
+            detail::optional_if_defined(grads[1]), detail::optional_if_defined(grads[2]),
+            detail::optional_if_defined(grads[3]));
+    if (!grad_output.defined()) {
+      // Only the kept weights reach the loss: w_o, and the value and w_v unless their projection has a gradient of
+      // its own, get no gradient (None, as in the textbook block), not zeros that an optimizer's decay and
+      // momentum would act on.
+      grad_w_o = at::Tensor();
+      if (!grads[3].defined()) {
+        grad_value = grad_w_v = at::Tensor();
+      }
     }
     return {grad_query, grad_key,     grad_value,   grad_w_q,     grad_w_k,     grad_w_v,
             grad_w_o,   at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
@@ -97,7 +111,7 @@ std::tuple<at::Tensor, at::Tensor> multi_head_attention_autograd(const at::Tenso
   check_dense_block_args(query, key, value, w_q, w_k, w_v, w_o, mask);
   auto outputs = MultiHeadAttentionFunction::apply(query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p,
                                                    need_weights, is_causal);
-  return {outputs[0], need_weights ? outputs[1] : at::empty({0}, query.options())};
+  return {outputs[0], need_weights ? outputs[4] : at::empty({0}, query.options())};
 }
 
 }  // namespace
