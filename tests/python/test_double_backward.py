@@ -138,36 +138,43 @@ FIRST_LOSSES = {
     "weights and linear output": lambda out, weights, c: weights.square().sum() + (out * c).sum(),
     "weights and squared output": lambda out, weights, c: weights.square().sum() + out.square().sum(),
     "weights only": lambda out, weights, c: weights.square().sum(),
+    "squared output": lambda out, weights, c: out.square().sum(),
 }
 
 
-@pytest.mark.parametrize("loss", list(FIRST_LOSSES))
-def test_second_order_through_each_output_matches_the_oracle(device, loss):
+@pytest.mark.parametrize("loss, need_weights", [(loss, True) for loss in FIRST_LOSSES] +
+                         [("linear in the output", False), ("squared output", False)])
+def test_second_and_third_order_through_each_output_match_the_oracle(device, loss, need_weights):
     # The second differentiation reaches the block's node through the projections its first-order gradients were
     # built on, and through its output and kept weights where the first loss was not linear in them: each
     # combination against the oracle block, gradients of every input and weight (None where the oracle's are).
+    # A third differentiation goes through the graph the second one built.
     torch.manual_seed(0)
     oracle = OracleBlock(8, 2).double().to(device)
-    x = torch.randn(2, 4, 8, device=device, dtype=torch.float64)
-    memory = torch.randn(2, 5, 8, device=device, dtype=torch.float64)
+    x, key, value = (torch.randn(2, n, 8, device=device, dtype=torch.float64) for n in (4, 5, 5))
     mask = torch.tensor([1, 1, 1, 0, 1], device=device)[None, None, None, :]
     scale = torch.randn(2, 4, 8, device=device, dtype=torch.float64)
     names = ["w_q.weight", "w_k.weight", "w_v.weight", "w_o.weight"]
 
-    def fused(x, memory, *ws):
-        return torch.ops.fastmha.multi_head_attention(x, memory, memory, *ws, 2, mask)
+    def fused(x, key, value, *ws):
+        return torch.ops.fastmha.multi_head_attention(x, key, value, *ws, 2, mask, 0.0, need_weights)
 
-    def formulas(x, memory, *ws):
-        return torch.func.functional_call(oracle, dict(zip(names, ws)), (x, memory, memory, mask))
+    def formulas(x, key, value, *ws):
+        return torch.func.functional_call(oracle, dict(zip(names, ws)), (x, key, value, mask))
+
+    def squares(grads):
+        return sum(g.square().sum() for g in grads if g is not None)
 
     results = []
     for block in (fused, formulas):
-        leaves = [t.detach().clone().requires_grad_() for t in (x, memory, *(oracle.get_parameter(n) for n in names))]
+        leaves = [t.detach().clone().requires_grad_()
+                  for t in (x, key, value, *(oracle.get_parameter(n) for n in names))]
         out, weights = block(*leaves)
         first = torch.autograd.grad(FIRST_LOSSES[loss](out, weights, scale), leaves, create_graph=True,
                                     allow_unused=True)
-        penalty = sum(g.square().sum() for g in first if g is not None)
-        results.append(torch.autograd.grad(penalty, leaves, allow_unused=True))
+        second = torch.autograd.grad(squares(first), leaves, create_graph=True, allow_unused=True)
+        third = torch.autograd.grad(squares(second), leaves, allow_unused=True)
+        results.append(second + third)
     for got, expected in zip(*results):
         assert (got is None) == (expected is None)
         if expected is not None:

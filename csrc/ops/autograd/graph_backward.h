@@ -20,10 +20,11 @@ torch::autograd::variable_list attention_grads_with_graph(const torch::autograd:
                                                           const at::Tensor& grad_output,
                                                           const at::Tensor& grad_weights);
 
-// The block's (query, key, value, w_q, w_k, w_v, w_o) gradients, likewise (none for w_o, nor for value and w_v
-// without a value projection gradient, where only the weights have a gradient), each only where `asked` (the others
-// undefined). `projections`: the forward's (query, key, value) projections, outputs of the block's node, which
-// stand in for recomputing them; `grad_projections`: their gradients (or undefined), added to the attention's.
+// The block's (query, key, value, w_q, w_k, w_v, w_o) gradients, likewise, each only where `asked` (the others
+// undefined). Where only the weights have a gradient, w_o gets none, and the value and w_v none unless the value's
+// projection has one. `projections`: the forward's (query, key, value) projections, outputs of the block's node,
+// which stand in for recomputing them; `grad_projections`: their gradients (or undefined), added to the
+// attention's.
 torch::autograd::variable_list block_grads_with_graph(const torch::autograd::variable_list& inputs,
                                                       const torch::autograd::variable_list& projections,
                                                       const torch::autograd::variable_list& grad_projections,
