@@ -137,3 +137,16 @@ def test_bench_double_backward_quick_run(tmp_path):
     assert rows[0]["penalty_ratio"] == pytest.approx(rows[0]["ms"]["penalty_oracle"] / rows[0]["ms"]["penalty_fastmha"],
                                                      abs=0.01)
     assert "| 2 | 16 | 32 | 4 |" in out.with_suffix(".md").read_text()
+
+
+def test_bench_compile_quick_run(tmp_path):
+    out = tmp_path / "compile"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_compile.py"), "--quick", "--out", str(out)],
+                   check=True, capture_output=True, timeout=600)
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [(r["task"], r["length"]) for r in rows] == [("train", 16), ("infer", 16)]
+    peers = {f"{name}_{mode}" for name in ("oracle", "kept", "not_kept") for mode in ("eager", "compiled")}
+    assert all(set(r["ms"]) == peers and all(t > 0 for t in r["ms"].values()) for r in rows)
+    assert rows[0]["ratios"]["compiled_kept"] == pytest.approx(rows[0]["ms"]["oracle_compiled"]
+                                                               / rows[0]["ms"]["kept_compiled"], abs=0.01)
+    assert "| train | 2 | 16 |" in out.with_suffix(".md").read_text()
