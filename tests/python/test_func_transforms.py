@@ -70,6 +70,39 @@ def test_jvp_matches_the_oracle():
     torch.testing.assert_close(derivative, want_derivative)
 
 
+def test_forward_mode_ad_matches_the_oracle():
+    # torch.autograd.forward_ad (dual tensors) sees through the ops no more than torch.func does: the block, its
+    # forward_step and its static attention compute with torch's own ops inside a dual level. Tangents of the
+    # input and of a weight.
+    import torch.autograd.forward_ad as fwAD
+
+    block, oracle = pair()
+    x, mask = batch()
+    tangent, weight_tangent = torch.randn_like(x), torch.randn_like(block.w_k.weight)
+    causal = torch.ones(5, 5, dtype=torch.int64).tril()
+
+    def dual_run(model, mask):
+        params = {n: p.detach() for n, p in model.named_parameters()}
+        with fwAD.dual_level():
+            params["w_k.weight"] = fwAD.make_dual(params["w_k.weight"], weight_tangent)
+            z = fwAD.make_dual(x, tangent)
+            out = functional_call(model, params, (z, z, z, mask))
+            return fwAD.unpack_dual(out if isinstance(out, torch.Tensor) else out[0])
+
+    for m in (mask, causal):
+        got, want = dual_run(block, m), dual_run(oracle, m)
+        torch.testing.assert_close(got.primal, want.primal)
+        torch.testing.assert_close(got.tangent, want.tangent)
+    with fwAD.dual_level():
+        z = fwAD.make_dual(x[:, :1], tangent[:, :1])
+        step, _ = block.forward_step(z)
+        torch.testing.assert_close(fwAD.unpack_dual(step).tangent, fwAD.unpack_dual(block(z, z, z)).tangent)
+        heads = [fwAD.make_dual(t, torch.randn_like(t)) for t in torch.randn(3, 2, 4, 3, 8, dtype=torch.float64)]
+        got = fastmha.MultiHeadAttentionBlock.attention(*heads, mask=None, dropout=None)
+        for a, b in zip(got, oracle_attention(*heads)):
+            torch.testing.assert_close(fwAD.unpack_dual(a).tangent, fwAD.unpack_dual(b).tangent)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_types_under_transforms_match_the_oracle(dtype):
     # Scores and softmax accumulate in float32, as in the op (a float16 score cannot hold -1e9).
