@@ -17,6 +17,18 @@ struct DropoutKernels {
   at::Tensor (*replay)(at::IntArrayRef sizes, double p, const at::TensorOptions& options, const at::Tensor& rng_state);
 };
 
+// A fresh (seed, offset) from ATen's default CPU generator, as the CPU kernels draw it: int64[2] on the CPU.
+at::Tensor draw_cpu_rng_state();
+
+// The multipliers a forward with `rng_state` applied, through the dispatcher (fastmha::_dropout_multipliers), so
+// that a graph tracer records them, on `options`' device.
+at::Tensor replayed_multipliers(at::IntArrayRef sizes, double p, const at::TensorOptions& options,
+                                const at::Tensor& rng_state);
+
+// The draw and replay of the ATen implementation on `device` (CPU or CUDA) when it runs in the kernels' place:
+// the same streams as the device's kernels, so a seed gives the same mask on either path.
+DropoutKernels dropout_kernels_for(const at::Device& device);
+
 #ifdef FASTMHA_WITH_CUDA
 DropoutKernels cuda_dropout_kernels();
 // A fresh Philox (seed, offset) from the default CUDA generator of `device`, as int64[2] on that device.

@@ -1,13 +1,17 @@
 // fastmha::_dropout_multipliers: the dropout multipliers (0 or 1/(1-p)) that a forward applied to its weights of
 // `sizes` (the scores' contiguous (batch, h, Lq, Lk) layout), again, from its rng_state: the same numbers as the CPU
 // kernels' fused row pass and the CUDA kernels draw (ops/philox.h). The gradients built for a second
-// differentiation multiply by them.
+// differentiation multiply by them. Also the CPU's (seed, offset) draw, and the ATen implementation's draw and
+// replay per device (ops/dropout.h).
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <mutex>
 
 #include "ops/dropout.h"
 #include "ops/philox.h"
@@ -65,7 +69,43 @@ at::Tensor dropout_multipliers_cuda(c10::SymIntArrayRef sizes, double p, at::Sca
 }
 #endif
 
+std::pair<at::Tensor, at::Tensor> draw_on_cpu(at::IntArrayRef sizes, double p, const at::TensorOptions& options) {
+  auto rng_state = draw_cpu_rng_state();
+  return {replayed_multipliers(sizes, p, options, rng_state), rng_state};
+}
+
 }  // namespace
+
+at::Tensor draw_cpu_rng_state() {
+  auto* gen = at::get_generator_or_default<at::CPUGeneratorImpl>(std::nullopt, at::detail::getDefaultCPUGenerator());
+  uint64_t seed = 0;
+  {
+    std::lock_guard<std::mutex> lock(gen->mutex_);
+    seed = gen->random64();
+  }
+  auto state = at::empty({2}, at::kLong);
+  state.data_ptr<int64_t>()[0] = static_cast<int64_t>(seed);
+  state.data_ptr<int64_t>()[1] = 0;
+  return state;
+}
+
+at::Tensor replayed_multipliers(at::IntArrayRef sizes, double p, const at::TensorOptions& options,
+                                const at::Tensor& rng_state) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fastmha::_dropout_multipliers", "")
+                             .typed<at::Tensor(c10::SymIntArrayRef, double, at::ScalarType, const at::Tensor&)>();
+  return op.call(c10::fromIntArrayRefSlow(sizes), p, options.dtype().toScalarType(), rng_state.to(options.device()));
+}
+
+DropoutKernels dropout_kernels_for(const at::Device& device) {
+#ifdef FASTMHA_WITH_CUDA
+  if (device.is_cuda()) {
+    return cuda_dropout_kernels();
+  }
+#endif
+  TORCH_CHECK(device.is_cpu(), "fastmha: dropout runs on CPU and CUDA tensors, got ", device);
+  return {&draw_on_cpu, &replayed_multipliers};
+}
 
 TORCH_LIBRARY_IMPL(fastmha, CPU, m) { m.impl("_dropout_multipliers", &dropout_multipliers_cpu); }
 TORCH_LIBRARY_IMPL(fastmha, Meta, m) { m.impl("_dropout_multipliers", &dropout_multipliers_meta); }

@@ -6,7 +6,6 @@ import warnings
 from typing import Callable, List, Optional, Tuple, TypeVar
 
 import torch
-import torch.autograd.forward_ad as _forward_ad
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
@@ -115,10 +114,8 @@ def _quiet_when_traced(decide: Callable[[], _T]) -> _T:
 
 def _needs_torch_ops() -> bool:
     """Whether the block must compute with torch's own ops: under a torch.func transform (grad, vjp, jvp, vmap,
-    ...) or inside ``torch.autograd.forward_ad.dual_level()`` (forward-mode AD), which cannot see through the ops'
-    C++ autograd, and in an ONNX export, which has no fastmha operators."""
-    return torch._C._are_functorch_transforms_active() or _forward_ad._current_level >= 0 \
-        or torch.onnx.is_in_onnx_export()
+    ...), which cannot see through the ops' C++ autograd, and in an ONNX export, which has no fastmha operators."""
+    return torch._C._are_functorch_transforms_active() or torch.onnx.is_in_onnx_export()
 
 
 def _plain_attention(

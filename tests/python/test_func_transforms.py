@@ -71,9 +71,9 @@ def test_jvp_matches_the_oracle():
 
 
 def test_forward_mode_ad_matches_the_oracle():
-    # torch.autograd.forward_ad (dual tensors) sees through the ops no more than torch.func does: the block, its
-    # forward_step and its static attention compute with torch's own ops inside a dual level. Tangents of the
-    # input and of a weight.
+    # Dual tensors (torch.autograd.forward_ad) reach the ops, whose C++ autograd has no forward derivative: a call
+    # with a tangent computes with the ATen implementation's ops. The block (eager and scripted), its
+    # forward_step and its static attention against the oracle; tangents of the input and of a weight.
     import torch.autograd.forward_ad as fwAD
 
     block, oracle = pair()
@@ -93,7 +93,11 @@ def test_forward_mode_ad_matches_the_oracle():
         got, want = dual_run(block, m), dual_run(oracle, m)
         torch.testing.assert_close(got.primal, want.primal)
         torch.testing.assert_close(got.tangent, want.tangent)
+    scripted = torch.jit.script(block)
     with fwAD.dual_level():
+        z = fwAD.make_dual(x, tangent)
+        want = fwAD.unpack_dual(oracle(z, z, z, mask)[0]).tangent
+        torch.testing.assert_close(fwAD.unpack_dual(scripted(z, z, z, mask)).tangent, want)
         z = fwAD.make_dual(x[:, :1], tangent[:, :1])
         step, _ = block.forward_step(z)
         torch.testing.assert_close(fwAD.unpack_dual(step).tangent, fwAD.unpack_dual(block(z, z, z)).tangent)
@@ -101,6 +105,51 @@ def test_forward_mode_ad_matches_the_oracle():
         got = fastmha.MultiHeadAttentionBlock.attention(*heads, mask=None, dropout=None)
         for a, b in zip(got, oracle_attention(*heads)):
             torch.testing.assert_close(fwAD.unpack_dual(a).tangent, fwAD.unpack_dual(b).tangent)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_jvp_and_jacfwd_of_the_ops_match_the_formulas(dtype):
+    # torch.func's forward-mode transforms over the ops themselves: output and weights tangents, masks and causal.
+    q, k, v = (torch.randn(2, 2, n, 8, dtype=torch.float64) for n in (3, 5, 5))
+    tangents = [torch.randn_like(t) for t in (q, k, v)]
+    mask = torch.tensor([1, 1, 0, 1, 0])[None, None, None, :]
+    causal = torch.ones(3, 5).tril()
+
+    def op(q, k, v, is_causal):
+        return torch.ops.fastmha.attention(q, k, v, mask, 0.0, True, is_causal)
+
+    for is_causal in (False, True):
+        primals = [t.to(dtype) for t in (q, k, v)]
+        got = jvp(lambda *a: op(*a, is_causal), tuple(primals), tuple(t.to(dtype) for t in tangents))
+        want = jvp(lambda *a: oracle_attention(*a, mask * causal if is_causal else mask), (q, k, v), tuple(tangents))
+        for a, b in zip(got[1], want[1]):  # tangents of the output and the weights
+            assert a.dtype == dtype
+            assert_close(a, b, dtype)
+    got = torch.func.jacfwd(lambda q: op(q, k, v, False)[0])(q)
+    torch.testing.assert_close(got, torch.func.jacfwd(lambda q: oracle_attention(q, k, v, mask)[0])(q))
+
+
+def test_forward_mode_ad_draws_the_ops_dropout():
+    # With a tangent the ops draw the same dropout stream as without: under one seed the same output.
+    import torch.autograd.forward_ad as fwAD
+
+    q, k, v = (torch.randn(2, 2, 6, 8, dtype=torch.float64) for _ in range(3))
+    ws = [torch.randn(16, 16, dtype=torch.float64) / 4 for _ in range(4)]
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    calls = [lambda z: torch.ops.fastmha.attention(z, k, v, None, 0.4, True),
+             lambda z: torch.ops.fastmha.multi_head_attention(x, z.transpose(1, 2).reshape(2, 6, 16), x, *ws, 2,
+                                                               None, 0.4, True)]  # z's heads merged: the key
+    tangent = torch.randn_like(q)
+    for call in calls:
+        torch.manual_seed(3)
+        plain = call(q)
+        with fwAD.dual_level():
+            torch.manual_seed(3)
+            dual = call(fwAD.make_dual(q, tangent))
+            for a, b in zip(dual, plain):
+                torch.testing.assert_close(fwAD.unpack_dual(a).primal, b)
+                assert fwAD.unpack_dual(a).tangent is not None
+        assert (plain[1] == 0).any()  # some weights were dropped
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -52,7 +52,9 @@ detail::AttentionForwardResult attention_forward(const at::Tensor& query, const 
   at::Tensor rng_state;
   if (dropout_p > 0.0) {
     auto [multipliers, state] = dropout.draw(probs.sizes(), dropout_p, probs.options());
-    probs.mul_(multipliers);
+    // In place where no autograd records it (the kernels' calls); a recorded softmax saves its output.
+    probs =
+        probs.requires_grad() || probs._fw_grad(/*level=*/0).defined() ? probs * multipliers : probs.mul_(multipliers);
     rng_state = state;
   } else {
     rng_state = no_rng_state(query);

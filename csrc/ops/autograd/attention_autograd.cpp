@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include "ops/attention_ops.h"
+#include "ops/autograd/forward_ad.h"
 #include "ops/autograd/graph_backward.h"
 #include "ops/broadcast_mask.h"
 #include "ops/checks.h"
@@ -70,6 +71,9 @@ std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& query, c
                                                       const at::Tensor& value, const std::optional<at::Tensor>& mask,
                                                       double dropout_p, bool need_weights, bool is_causal) {
   check_dense_attention_args(query, key, value, mask);
+  if (detail::takes_forward_ad({query, key, value})) {  // dual tensors: the Function has no forward derivative
+    return detail::attention_with_tangents(query, key, value, mask, dropout_p, need_weights, is_causal);
+  }
   auto outputs = AttentionFunction::apply(query, key, value, mask, dropout_p, need_weights, is_causal);
   return {outputs[0], need_weights ? outputs[1] : at::empty({0}, query.options())};
 }

@@ -15,16 +15,6 @@ namespace {
 
 using torch::autograd::variable_list;
 
-// The forward's dropout multipliers through the dispatcher (fastmha::_dropout_multipliers), so that a graph tracer
-// records them, on the device the weights are on.
-at::Tensor replayed_multipliers(at::IntArrayRef sizes, double p, const at::TensorOptions& options,
-                                const at::Tensor& rng_state) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("fastmha::_dropout_multipliers", "")
-                             .typed<at::Tensor(c10::SymIntArrayRef, double, at::ScalarType, const at::Tensor&)>();
-  return op.call(c10::fromIntArrayRefSlow(sizes), p, options.dtype().toScalarType(), rng_state.to(options.device()));
-}
-
 const DropoutKernels kReplay{nullptr, &replayed_multipliers};
 
 // The core's (query, key, value) gradients from the ATen implementation's formulas: differentiable ATen ops, out of

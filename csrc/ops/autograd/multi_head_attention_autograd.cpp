@@ -8,6 +8,7 @@
 #include <array>
 
 #include "ops/attention_ops.h"
+#include "ops/autograd/forward_ad.h"
 #include "ops/autograd/graph_backward.h"
 #include "ops/broadcast_mask.h"
 #include "ops/checks.h"
@@ -109,6 +110,10 @@ std::tuple<at::Tensor, at::Tensor> multi_head_attention_autograd(const at::Tenso
                                                                  const std::optional<at::Tensor>& mask,
                                                                  double dropout_p, bool need_weights, bool is_causal) {
   check_dense_block_args(query, key, value, w_q, w_k, w_v, w_o, mask);
+  if (detail::takes_forward_ad({query, key, value, w_q, w_k, w_v, w_o})) {  // dual tensors: see forward_ad.h
+    return detail::block_with_tangents(query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p, need_weights,
+                                       is_causal);
+  }
   auto outputs = MultiHeadAttentionFunction::apply(query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p,
                                                    need_weights, is_causal);
   return {outputs[0], need_weights ? outputs[4] : at::empty({0}, query.options())};

@@ -4,7 +4,6 @@
 // says so (by default on CPUs with native products once 256 query rows multiply 256 keys; FASTMHA_CPU_HALF_GEMM,
 // ops/cpu/half_gemm.h), and widen them to fp32 otherwise.
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -13,7 +12,6 @@
 #include <cctype>
 #include <cerrno>
 #include <cstdlib>
-#include <mutex>
 
 #include "ops/attention_ops.h"
 #include "ops/broadcast_mask.h"
@@ -22,6 +20,7 @@
 #include "ops/cpu/cpu_capability.h"
 #include "ops/cpu/half_gemm.h"
 #include "ops/cpu/large_buffer.h"
+#include "ops/dropout.h"
 #include "ops/heads.h"
 #include "ops/kernel_choice.h"
 #include "ops/stock/stock_attention.h"
@@ -141,20 +140,6 @@ bool all_finite(const at::Tensor& t) {
   return finite;
 }
 
-// (seed, offset) of a fresh Philox stream from ATen's default CPU generator, under its lock.
-at::Tensor draw_rng_state() {
-  auto* gen = at::get_generator_or_default<at::CPUGeneratorImpl>(std::nullopt, at::detail::getDefaultCPUGenerator());
-  uint64_t seed = 0;
-  {
-    std::lock_guard<std::mutex> lock(gen->mutex_);
-    seed = gen->random64();
-  }
-  auto state = at::empty({2}, at::kLong);
-  state.data_ptr<int64_t>()[0] = static_cast<int64_t>(seed);
-  state.data_ptr<int64_t>()[1] = 0;
-  return state;
-}
-
 template <typename Args, typename Results>
 void run_forward(const Args& in, const Results& out) {
   switch (cpu::capability()) {
@@ -208,7 +193,7 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
                      ? cpu::empty_large({batch, heads, len_q, len_k}, half_output ? query.options() : acc_options)
                      : at::empty({0}, acc_options);
   auto logsumexp = at::empty({batch, heads, len_q}, acc_options);
-  auto rng_state = dropout_p > 0 ? draw_rng_state() : at::zeros({2}, at::kLong);
+  auto rng_state = dropout_p > 0 ? draw_cpu_rng_state() : at::zeros({2}, at::kLong);
   // The half-type operands: of the products, or of the tasks' widening. With half-type products the forward
   // reads only v widened (its scan for non-finite values).
   const HalfInputs half_inputs(query, key, value, half_output);
