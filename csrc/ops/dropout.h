@@ -30,6 +30,9 @@ at::Tensor replayed_multipliers(at::IntArrayRef sizes, double p, const at::Tenso
 DropoutKernels dropout_kernels_for(const at::Device& device);
 
 #ifdef FASTMHA_WITH_CUDA
+// The ATen implementation draws its dropout with fastmha's Philox kernel, which needs code for the device: a
+// clear error where this build has none (dropout_p > 0 only).
+void check_cuda_dropout_runs(const at::Tensor& query, double dropout_p);
 DropoutKernels cuda_dropout_kernels();
 // A fresh Philox (seed, offset) from the default CUDA generator of `device`, as int64[2] on that device.
 at::Tensor draw_cuda_rng_state(const at::Device& device);

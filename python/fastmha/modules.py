@@ -515,8 +515,10 @@ class MultiHeadAttentionBlock(nn.Module):
         and weights project only the query, and run the same attention core and output projection."""
         # Not reached under torch.func transforms (vmap over q alone would keep batched projections): forward
         # takes the module path there.
+        # Forward-mode AD runs under no_grad too: dual tensors take the op, which carries their tangents.
         if (not self.reuse_projections or k is q or torch.is_grad_enabled() or torch.compiler.is_compiling()
-                or torch.jit.is_tracing()):  # a trace would record the kept projections as constants
+                or torch.jit.is_tracing()  # a trace would record the kept projections as constants
+                or torch.autograd.forward_ad._current_level >= 0):
             return None
         w_q, w_k, w_v, w_o = self.w_q.weight, self.w_k.weight, self.w_v.weight, self.w_o.weight
         sources = (k, v, w_k, w_v)

@@ -93,6 +93,29 @@ def test_forward_mode_ad_matches_the_oracle():
         got, want = dual_run(block, m), dual_run(oracle, m)
         torch.testing.assert_close(got.primal, want.primal)
         torch.testing.assert_close(got.tangent, want.tangent)
+    # Cross-attention under no_grad, after a plain call (which keeps the key and value projections for reuse), and
+    # a float mask with a tangent of its own (the mask's values only select: no contribution).
+    memory = torch.randn(3, 5, D_MODEL, dtype=torch.float64)
+    float_mask = mask.double()
+    with torch.no_grad():
+        block(x, memory, memory, mask)
+        with fwAD.dual_level():
+            z = fwAD.make_dual(x, tangent)
+            dual_mask = fwAD.make_dual(float_mask, torch.randn_like(float_mask))
+            got = fwAD.unpack_dual(block(z, memory, memory, dual_mask)).tangent
+            want = fwAD.unpack_dual(oracle(z, memory, memory, mask)[0]).tangent
+    assert got is not None
+    torch.testing.assert_close(got, want)
+    # The outputs of a call with tangents take a reverse-mode backward as well.
+    grads = []
+    for model in (block, oracle):
+        z = x.clone().requires_grad_()
+        with fwAD.dual_level():
+            out = model(fwAD.make_dual(z, tangent), z, z, mask)
+            (out if isinstance(out, torch.Tensor) else out[0]).square().sum().backward()
+        grads.append([z.grad] + [p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
     scripted = torch.jit.script(block)
     with fwAD.dual_level():
         z = fwAD.make_dual(x, tangent)
@@ -127,6 +150,18 @@ def test_jvp_and_jacfwd_of_the_ops_match_the_formulas(dtype):
             assert_close(a, b, dtype)
     got = torch.func.jacfwd(lambda q: op(q, k, v, False)[0])(q)
     torch.testing.assert_close(got, torch.func.jacfwd(lambda q: oracle_attention(q, k, v, mask)[0])(q))
+    # A tangent on a float mask alone: the mask only selects keys, so the outputs' tangents are zero.
+    float_mask = mask.double()
+    x, memory = torch.randn(2, 3, 16, dtype=torch.float64), torch.randn(2, 5, 16, dtype=torch.float64)
+    ws = [torch.randn(16, 16, dtype=torch.float64) for _ in range(4)]
+    for call in (lambda m: torch.ops.fastmha.attention(q, k, v, m, 0.0, True),
+                 lambda m: torch.ops.fastmha.multi_head_attention(x, memory, memory, *ws, 2, m, 0.0, True)):
+        _, mask_tangents = jvp(call, (float_mask,), (torch.randn_like(float_mask),))
+        assert all(torch.count_nonzero(t) == 0 for t in mask_tangents)
+    # Without kept weights: the output's tangent, and an empty weights tensor.
+    out, tangent = jvp(lambda q: torch.ops.fastmha.attention(q, k, v, mask, 0.0, False), (q,), (tangents[0],))
+    assert out[1].numel() == 0 and tangent[1].numel() == 0
+    torch.testing.assert_close(tangent[0], jvp(lambda q: oracle_attention(q, k, v, mask)[0], (q,), (tangents[0],))[1])
 
 
 def test_forward_mode_ad_draws_the_ops_dropout():
@@ -150,6 +185,17 @@ def test_forward_mode_ad_draws_the_ops_dropout():
                 torch.testing.assert_close(fwAD.unpack_dual(a).primal, b)
                 assert fwAD.unpack_dual(a).tangent is not None
         assert (plain[1] == 0).any()  # some weights were dropped
+    # The core's tangent is the formulas' with that dropout mask (read off the kept weights: none underflows).
+    torch.manual_seed(3)
+    kept = (calls[0](q)[1] != 0).double() / 0.6
+    torch.manual_seed(3)
+    with fwAD.dual_level():
+        got = fwAD.unpack_dual(calls[0](fwAD.make_dual(q, tangent))[0]).tangent
+
+    def formulas(z):
+        return (torch.softmax(z @ k.transpose(-2, -1) / 8 ** 0.5, -1) * kept) @ v
+
+    torch.testing.assert_close(got, jvp(formulas, (q,), (tangent,))[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

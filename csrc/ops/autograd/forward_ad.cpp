@@ -9,12 +9,26 @@
 
 namespace fastmha::detail {
 
+namespace {
+
+// The devices this build has kernels for: others keep the Function's path, whose dispatch names the device.
+bool has_kernels_for(const at::Tensor& t) {
+#ifdef FASTMHA_WITH_CUDA
+  if (t.is_cuda()) {
+    return true;
+  }
+#endif
+  return t.is_cpu();
+}
+
+}  // namespace
+
 bool takes_forward_ad(std::initializer_list<at::Tensor> tensors) {
   bool tangent = false, supported = true;
   for (const auto& t : tensors) {
     if (t.defined()) {
       tangent = tangent || t._fw_grad(/*level=*/0).defined();
-      supported = supported && (t.is_cpu() || t.is_cuda());
+      supported = supported && has_kernels_for(t);
     }
   }
   return tangent && supported;
@@ -25,6 +39,11 @@ std::tuple<at::Tensor, at::Tensor> attention_with_tangents(const at::Tensor& que
                                                            const std::optional<at::Tensor>& mask, double dropout_p,
                                                            bool need_weights, bool is_causal) {
   check_attention_inputs(query, key, value, mask, dropout_p);
+#ifdef FASTMHA_WITH_CUDA
+  if (query.is_cuda()) {
+    check_cuda_dropout_runs(query, dropout_p);
+  }
+#endif
   auto [output, weights, logsumexp, rng_state] = aten_impl::attention_forward(
       query, key, value, mask, dropout_p, need_weights, is_causal, dropout_kernels_for(query.device()));
   return {output, weights};

@@ -13,8 +13,9 @@
 
 namespace fastmha::detail {
 
-// Whether a tangent (forward gradient) rides on any of `tensors` (undefined ones skipped), on a CPU or CUDA tensor:
-// other devices keep the Function's path and its errors.
+// Whether a tangent (forward gradient) rides on any of `tensors` (undefined ones skipped: pass every tensor input,
+// the mask too, as the Function would refuse a tangent on any), all on devices this build has kernels for: others
+// keep the Function's path and its errors.
 bool takes_forward_ad(std::initializer_list<at::Tensor> tensors);
 
 // The attention core's (output, weights or empty) from differentiable ATen ops.

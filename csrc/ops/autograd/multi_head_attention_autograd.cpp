@@ -110,7 +110,8 @@ std::tuple<at::Tensor, at::Tensor> multi_head_attention_autograd(const at::Tenso
                                                                  const std::optional<at::Tensor>& mask,
                                                                  double dropout_p, bool need_weights, bool is_causal) {
   check_dense_block_args(query, key, value, w_q, w_k, w_v, w_o, mask);
-  if (detail::takes_forward_ad({query, key, value, w_q, w_k, w_v, w_o})) {  // dual tensors: see forward_ad.h
+  if (detail::takes_forward_ad(
+          {query, key, value, w_q, w_k, w_v, w_o, mask.value_or(at::Tensor())})) {  // dual tensors: see forward_ad.h
     return detail::block_with_tangents(query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p, need_weights,
                                        is_causal);
   }

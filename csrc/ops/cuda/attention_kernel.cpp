@@ -52,16 +52,6 @@ const bool facts_registered = [] {
   return true;
 }();
 
-// The ATen composite draws its dropout with fastmha's Philox kernel, which needs code for the device.
-void check_dropout_runs(const at::Tensor& query, double dropout_p) {
-  if (dropout_p > 0) {
-    const auto facts = device_facts(query.device());
-    TORCH_CHECK(facts.has_kernel_image, "fastmha: dropout on ", facts.device_name,
-                " needs fastmha's CUDA code for that GPU, and this build holds code for CUDA archs ",
-                FASTMHA_CUDA_ARCHS, " only; rebuild with TORCH_CUDA_ARCH_LIST including its arch");
-  }
-}
-
 detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query, const at::Tensor& key,
                                                         const at::Tensor& value, const std::optional<at::Tensor>& mask,
                                                         double dropout_p, bool need_weights, bool is_causal) {
@@ -74,7 +64,7 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
     return stock::attention_forward(query, key, value, mask, is_causal, choice.sdpa_backend);
   }
   if (kernel == AttentionKernel::kAten) {
-    check_dropout_runs(query, dropout_p);
+    check_cuda_dropout_runs(query, dropout_p);
     return aten_impl::attention_forward(query, key, value, mask, dropout_p, need_weights, is_causal,
                                         cuda_dropout_kernels());
   }
@@ -183,7 +173,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
                                      choice.sdpa_backend);
   }
   if (kernel == AttentionKernel::kAten) {
-    check_dropout_runs(query, dropout_p);
+    check_cuda_dropout_runs(query, dropout_p);
     return aten_impl::attention_backward(grad_output, grad_weights, query, key, value, mask, output, logsumexp,
                                          rng_state, dropout_p, is_causal, cuda_dropout_kernels());
   }
@@ -197,6 +187,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
 }
 
 }  // namespace
+
+void check_cuda_dropout_runs(const at::Tensor& query, double dropout_p) {
+  if (dropout_p > 0) {
+    const auto facts = device_facts(query.device());
+    TORCH_CHECK(facts.has_kernel_image, "fastmha: dropout on ", facts.device_name,
+                " needs fastmha's CUDA code for that GPU, and this build holds code for CUDA archs ",
+                FASTMHA_CUDA_ARCHS, " only; rebuild with TORCH_CUDA_ARCH_LIST including its arch");
+  }
+}
 
 TORCH_LIBRARY_IMPL(fastmha, CUDA, m) {
   m.impl("_attention_forward", &attention_forward_kernel);
