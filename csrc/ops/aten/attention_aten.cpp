@@ -43,11 +43,11 @@ at::Tensor masked_scores(const at::Tensor& query_acc, const at::Tensor& key_acc,
 detail::AttentionForwardResult attention_forward(const at::Tensor& query, const at::Tensor& key,
                                                  const at::Tensor& value, const std::optional<at::Tensor>& mask,
                                                  double dropout_p, bool need_weights, bool is_causal,
-                                                 const DropoutKernels& dropout) {
+                                                 const DropoutKernels& dropout, bool need_logsumexp) {
   const auto acc = accumulation_type(query.scalar_type());
   const auto value_acc = value.to(acc);
   auto scores = masked_scores(query.to(acc), key.to(acc), masked_positions(mask, is_causal, query, key));
-  auto logsumexp = at::logsumexp(scores, -1);
+  auto logsumexp = need_logsumexp ? at::logsumexp(scores, -1) : at::Tensor();
   auto probs = at::softmax(scores, -1);
   at::Tensor rng_state;
   if (dropout_p > 0.0) {

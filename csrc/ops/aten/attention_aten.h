@@ -17,10 +17,13 @@ std::optional<at::Tensor> masked_positions(const std::optional<at::Tensor>& mask
 at::Tensor masked_scores(const at::Tensor& query_acc, const at::Tensor& key_acc,
                          const std::optional<at::Tensor>& masked);
 
+// The forward's (output, weights or empty, logsumexp, rng_state). A caller with no backward of its own (forward-mode
+// AD differentiates the ops themselves) passes need_logsumexp=false and gets an undefined logsumexp: one pass over
+// the scores, and its tangent, fewer.
 detail::AttentionForwardResult attention_forward(const at::Tensor& query, const at::Tensor& key,
                                                  const at::Tensor& value, const std::optional<at::Tensor>& mask,
                                                  double dropout_p, bool need_weights, bool is_causal,
-                                                 const DropoutKernels& dropout);
+                                                 const DropoutKernels& dropout, bool need_logsumexp = true);
 
 // The gradients from differentiable ATen ops (a backward with create_graph=True calls it under grad mode).
 // grad_output may be undefined where grad_weights is not: the value's gradient is then undefined too. Where

@@ -71,8 +71,8 @@ std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& query, c
                                                       const at::Tensor& value, const std::optional<at::Tensor>& mask,
                                                       double dropout_p, bool need_weights, bool is_causal) {
   check_dense_attention_args(query, key, value, mask);
-  if (detail::takes_forward_ad(
-          {query, key, value, mask.value_or(at::Tensor())})) {  // dual tensors: the Function has no forward derivative
+  // Dual tensors (forward-mode AD): the Function has no forward derivative.
+  if (detail::takes_forward_ad({query, key, value, mask.value_or(at::Tensor())})) {
     return detail::attention_with_tangents(query, key, value, mask, dropout_p, need_weights, is_causal);
   }
   auto outputs = AttentionFunction::apply(query, key, value, mask, dropout_p, need_weights, is_causal);

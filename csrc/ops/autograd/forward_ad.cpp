@@ -44,8 +44,9 @@ std::tuple<at::Tensor, at::Tensor> attention_with_tangents(const at::Tensor& que
     check_cuda_dropout_runs(query, dropout_p);
   }
 #endif
-  auto [output, weights, logsumexp, rng_state] = aten_impl::attention_forward(
-      query, key, value, mask, dropout_p, need_weights, is_causal, dropout_kernels_for(query.device()));
+  auto [output, weights, logsumexp, rng_state] =
+      aten_impl::attention_forward(query, key, value, mask, dropout_p, need_weights, is_causal,
+                                   dropout_kernels_for(query.device()), /*need_logsumexp=*/false);
   return {output, weights};
 }
 

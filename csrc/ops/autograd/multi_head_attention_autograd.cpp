@@ -63,7 +63,7 @@ class MultiHeadAttentionFunction : public torch::autograd::Function<MultiHeadAtt
                                                  torch::autograd::variable_list grads) {
     grads.resize(5);  // (output, query_proj, key_proj, value_proj, weights); no weights output without kept weights
     const auto &grad_output = grads[0], &grad_weights = grads[4];
-    const torch::autograd::variable_list grad_projections{grads[1], grads[2], grads[3]};
+    const auto &grad_query_proj = grads[1], &grad_key_proj = grads[2], &grad_value_proj = grads[3];
     const auto s = ctx->get_saved_variables();
     const auto mask = detail::optional_if_defined(s[13]);
     // With create_graph=True: gradients that can be differentiated again. Also where a second-order gradient
@@ -73,10 +73,10 @@ class MultiHeadAttentionFunction : public torch::autograd::Function<MultiHeadAtt
       for (size_t i = 0; i < asked.size(); ++i) {
         asked[i] = ctx->needs_input_grad(i);
       }
-      auto g = detail::block_grads_with_graph({s[0], s[1], s[2], s[3], s[4], s[5], s[6]}, {s[7], s[8], s[9]},
-                                              grad_projections, asked, ctx->saved_data["num_heads"].toInt(), mask,
-                                              s[12], ctx->saved_data["dropout_p"].toDouble(),
-                                              ctx->saved_data["is_causal"].toBool(), grad_output, grad_weights);
+      auto g = detail::block_grads_with_graph(
+          {s[0], s[1], s[2], s[3], s[4], s[5], s[6]}, {s[7], s[8], s[9]},
+          {grad_query_proj, grad_key_proj, grad_value_proj}, asked, ctx->saved_data["num_heads"].toInt(), mask, s[12],
+          ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["is_causal"].toBool(), grad_output, grad_weights);
       g.resize(12);  // num_heads, mask, dropout_p, need_weights, is_causal: no gradient
       return g;
     }
@@ -87,14 +87,14 @@ class MultiHeadAttentionFunction : public torch::autograd::Function<MultiHeadAtt
             s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9], s[10], s[11], s[12],
             ctx->saved_data["num_heads"].toInt(), mask, ctx->saved_data["dropout_p"].toDouble(),
             ctx->saved_data["is_causal"].toBool(), detail::optional_if_defined(s[14]),
-            detail::optional_if_defined(grads[1]), detail::optional_if_defined(grads[2]),
-            detail::optional_if_defined(grads[3]));
+            detail::optional_if_defined(grad_query_proj), detail::optional_if_defined(grad_key_proj),
+            detail::optional_if_defined(grad_value_proj));
     if (!grad_output.defined()) {
       // Only the kept weights reach the loss: w_o, and the value and w_v unless their projection has a gradient of
       // its own, get no gradient (None, as in the textbook block), not zeros that an optimizer's decay and
       // momentum would act on.
       grad_w_o = at::Tensor();
-      if (!grads[3].defined()) {
+      if (!grad_value_proj.defined()) {
         grad_value = grad_w_v = at::Tensor();
       }
     }
@@ -110,8 +110,8 @@ std::tuple<at::Tensor, at::Tensor> multi_head_attention_autograd(const at::Tenso
                                                                  const std::optional<at::Tensor>& mask,
                                                                  double dropout_p, bool need_weights, bool is_causal) {
   check_dense_block_args(query, key, value, w_q, w_k, w_v, w_o, mask);
-  if (detail::takes_forward_ad(
-          {query, key, value, w_q, w_k, w_v, w_o, mask.value_or(at::Tensor())})) {  // dual tensors: see forward_ad.h
+  // Dual tensors (forward-mode AD): see forward_ad.h.
+  if (detail::takes_forward_ad({query, key, value, w_q, w_k, w_v, w_o, mask.value_or(at::Tensor())})) {
     return detail::block_with_tangents(query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p, need_weights,
                                        is_causal);
   }
