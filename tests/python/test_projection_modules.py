@@ -339,6 +339,20 @@ def test_scripted_block_runs_the_hooks_it_was_scripted_with():
             scripted(x[0], x, x, mask)
 
 
+def test_exported_block_keeps_a_projection_hook():
+    # torch.export records the hooked projection as the eager block runs it (torch.jit.trace cannot trace such a
+    # block: see api.md); the oracle block with the same hook is the reference.
+    block, oracle = pair()
+    for module in (block, oracle):
+        module.w_q.register_forward_hook(double_output)
+        module.eval()
+    x, mask = inputs()
+    x = x.detach()
+    exported = torch.export.export(block, (x, x, x, mask)).module()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(x, x, x, mask), oracle(x, x, x, mask)[0])
+
+
 def test_static_attention_checks_the_dropout_probability_in_eval_too():
     dropout = nn.Dropout(0.1).eval()
     dropout.p = 1.5
