@@ -32,7 +32,7 @@ python3 -m venv .venv
 .venv/bin/pip install -q --upgrade pip
 .venv/bin/pip install -q "torch==$VERSION"
 # pip takes a release such as 2.11 as 2.11.0: compare as versions, before the long build.
-found=$(.venv/bin/python -c "import torch; print(torch.__version__.split('+')[0])")
+found=$(.venv/bin/python -W ignore -c "import torch; print(torch.__version__.split('+')[0])")  # (no NumPy yet)
 same_release='import sys; a, b = (s.split(".") for s in sys.argv[1:]); n = max(len(a), len(b))
 sys.exit(a + ["0"] * (n - len(a)) != b + ["0"] * (n - len(b)))'
 if ! python3 -c "$same_release" "$found" "$VERSION"; then
