@@ -1,8 +1,8 @@
 // fastmha::_dropout_multipliers: the dropout multipliers (0 or 1/(1-p)) that a forward applied to its weights of
 // `sizes` (the scores' contiguous (batch, h, Lq, Lk) layout), again, from its rng_state: the same numbers as the CPU
-// kernels' fused row pass and the CUDA kernels draw (ops/philox.h). The gradients built for a second
-// differentiation multiply by them. Also the CPU's (seed, offset) draw, and the ATen implementation's draw and
-// replay per device (ops/dropout.h).
+// kernels' fused row pass (whose batched Philox code draws them here too) and the CUDA kernels draw (ops/philox.h).
+// The gradients built for a second differentiation multiply by them. Also the CPU's (seed, offset) draw, and the ATen
+// implementation's draw and replay per device (ops/dropout.h).
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Dispatch.h>
@@ -10,11 +10,10 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <mutex>
 
+#include "ops/cpu/attention_params.h"
 #include "ops/dropout.h"
-#include "ops/philox.h"
 
 namespace fastmha {
 namespace {
@@ -38,17 +37,8 @@ at::Tensor dropout_multipliers_cpu(c10::SymIntArrayRef sizes, double p, at::Scal
   const auto offset = static_cast<uint64_t>(state.const_data_ptr<int64_t>()[1]);
   AT_DISPATCH_FLOATING_TYPES(dtype, "fastmha_dropout_multipliers", [&] {
     auto* out = multipliers.data_ptr<scalar_t>();
-    const auto scale = static_cast<scalar_t>(1.0 / (1.0 - p));
-    const auto threshold = static_cast<float>(p);
     at::parallel_for(0, multipliers.numel(), int64_t{1} << 14, [&](int64_t begin, int64_t end) {
-      // Element i draws word i % 4 of Philox block i / 4 (philox::uniform): each block is computed once for its
-      // four elements.
-      for (int64_t block = begin >> 2; block <= (end - 1) >> 2; ++block) {
-        const auto words = philox::random4(seed, offset, static_cast<uint64_t>(block));
-        for (int64_t i = std::max(begin, block * 4); i < std::min(end, block * 4 + 4); ++i) {
-          out[i] = philox::to_uniform(words.word[i & 3]) >= threshold ? scale : scalar_t(0);
-        }
-      }
+      cpu::dropout_multipliers(seed, offset, p, static_cast<uint64_t>(begin), end - begin, out + begin);
     });
   });
   return multipliers;

@@ -92,7 +92,8 @@ out, w = torch.ops.fastmha.attention(q, k, v, mask, 0.0, True, True)
 big = [torch.randn(1, 4, 1030, 16) for _ in range(3)]
 padding = (torch.arange(1030) < 700)[None, None, None, :]
 big_out, big_w, _, rng_state = torch.ops.fastmha._attention_forward(*big, padding, 0.3, True, False)
-torch.save((q, k, v, mask, out, w, big, padding, big_out, big_w, rng_state), {path!r})
+multipliers = torch.ops.fastmha._dropout_multipliers(list(big_w.shape), 0.3, torch.float32, rng_state)
+torch.save((q, k, v, mask, out, w, big, padding, big_out, big_w, rng_state, multipliers), {path!r})
 print(fastmha._C.cpu_capability())
 """
 
@@ -104,7 +105,7 @@ def test_every_cpu_variant_matches_the_oracle(tmp_path, capability):
     result = subprocess.run([sys.executable, "-c", SCRIPT.format(path=path)], env=env, capture_output=True,
                             text=True, check=True)
     assert result.stdout.strip() in (capability, "default")  # avx2 falls back where the CPU lacks it
-    q, k, v, mask, out, w, big, padding, big_out, big_w, rng_state = torch.load(path)
+    q, k, v, mask, out, w, big, padding, big_out, big_w, rng_state, multipliers = torch.load(path)
     causal = torch.tril(torch.ones(77, 77, dtype=torch.bool))
     ref_out, ref_w = oracle_attention(q, k, v, mask & causal)
     torch.testing.assert_close(out, ref_out)
@@ -113,6 +114,8 @@ def test_every_cpu_variant_matches_the_oracle(tmp_path, capability):
     seed, offset = (int(x) % 2**64 for x in rng_state.tolist())
     keep = expected_keep(seed, offset, tuple(big_w.shape), 0.3)
     assert torch.equal(big_w != 0, keep & padding)
+    # The replay of that stream (the double backward's) draws it with the same variant's code.
+    assert torch.equal(multipliers, keep.float() * torch.tensor(1 / 0.7, dtype=torch.float32))
     ref_out, ref_w = oracle_attention(*(t.double() for t in big), padding, keep=keep, p=0.3)
     torch.testing.assert_close(big_w, ref_w.float(), atol=1e-6, rtol=1e-4)
     torch.testing.assert_close(big_out, ref_out.float(), atol=1e-5, rtol=1e-4)

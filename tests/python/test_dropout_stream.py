@@ -41,3 +41,25 @@ def test_cpu_kernel_draws_the_philox_stream(dtype, case, lk):
         visible &= torch.ones(lq, lk, dtype=torch.bool).tril()
     # A visible weight is never exactly 0 here, so weights != 0 are the kept ones; masked ones are 0 either way.
     assert torch.equal(weights != 0, keep & visible)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+# Offsets whose low bits are set (the counter takes offset // 4) and a seed with its high word set.
+@pytest.mark.parametrize("seed, offset", [(7, 0), (2**63 + 2**40 + 9, 4 * 2**33 + 3)])
+def test_dropout_multipliers_replay_the_philox_stream(dtype, seed, offset):
+    # Lengths below, at and above one Philox batch (64 words), odd ones, and one that the threads split into parts
+    # starting inside a block; each thread count splits it differently.
+    p = 0.3
+    scale = torch.tensor(1 / (1 - p), dtype=dtype)
+    rng_state = torch.tensor([seed - 2**64 if seed >= 2**63 else seed, offset])
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            for shape in ((1,), (3, 5), (2, 2, 7, 64), (1, 2, 97, 211)):
+                got = torch.ops.fastmha._dropout_multipliers(list(shape), p, dtype, rng_state)
+                keep = expected_keep(seed, offset, shape, p)
+                assert got.dtype == dtype and got.shape == shape
+                assert torch.equal(got, keep.to(dtype) * scale), (count, shape)
+    finally:
+        torch.set_num_threads(threads)

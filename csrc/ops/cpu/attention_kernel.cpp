@@ -340,4 +340,31 @@ TORCH_LIBRARY_IMPL(fastmha, CPU, m) {
   m.impl("_attention_backward", &attention_backward_kernel);
 }
 
+namespace cpu {
+namespace {
+
+template <typename T>
+void run_dropout_multipliers(uint64_t seed, uint64_t offset, double p, uint64_t first, int64_t n, T* out) {
+  switch (capability()) {
+#ifdef FASTMHA_CPU_X86
+    case Capability::AVX512:
+      return AVX512::dropout_multipliers(seed, offset, p, first, n, out);
+    case Capability::AVX2:
+      return AVX2::dropout_multipliers(seed, offset, p, first, n, out);
+#endif
+    default:
+      return DEFAULT::dropout_multipliers(seed, offset, p, first, n, out);
+  }
+}
+
+}  // namespace
+
+void dropout_multipliers(uint64_t seed, uint64_t offset, double p, uint64_t first, int64_t n, float* out) {
+  run_dropout_multipliers(seed, offset, p, first, n, out);
+}
+void dropout_multipliers(uint64_t seed, uint64_t offset, double p, uint64_t first, int64_t n, double* out) {
+  run_dropout_multipliers(seed, offset, p, first, n, out);
+}
+
+}  // namespace cpu
 }  // namespace fastmha

@@ -337,25 +337,11 @@ void scale_row(T* x, int64_t n, T factor) {
   at::vec::map([factor](Vec v) { return v * Vec(factor); }, x, x, n);
 }
 
-// Dropout multipliers (0 or 1/(1-p)) of elements first .. first + n - 1 of the (B, H, Lq, Lk) score layout:
-// the same numbers as philox::keep_scale, from Philox blocks generated 16 at a time.
+// Dropout multipliers (0 or 1/(1-p)) of elements first .. first + n - 1 of the (B, H, Lq, Lk) score layout.
 template <typename T>
 void fill_keep(const AttentionInputs<T>& in, uint64_t first, int64_t n, std::vector<uint32_t>& words, T* keep) {
-  if (n == 0) {
-    return;
-  }
-  const uint64_t first_block = first >> 2, last_block = (first + static_cast<uint64_t>(n) - 1) >> 2;
-  const int64_t blocks = static_cast<int64_t>(last_block - first_block + 1);
-  words.resize(static_cast<size_t>((blocks + kPhiloxBatch) * 4));
-  for (int64_t b0 = 0; b0 < blocks; b0 += kPhiloxBatch) {
-    philox_blocks16(in.seed, in.offset, first_block + static_cast<uint64_t>(b0), words.data() + b0 * 4);
-  }
-  const uint32_t* w = words.data() + (first & 3);
-  const float p = static_cast<float>(in.dropout_p);
-  const T scale = T(1.0 / (1.0 - in.dropout_p));
-  for (int64_t j = 0; j < n; ++j) {
-    keep[j] = philox::to_uniform(w[j]) >= p ? scale : T(0);
-  }
+  fill_multipliers(in.seed, in.offset, static_cast<float>(in.dropout_p), T(1.0 / (1.0 - in.dropout_p)), first, n, words,
+                   keep);
 }
 
 // The keys [lo, hi) a chunk of queries computes; every key outside is masked for each row of the chunk.
@@ -1380,6 +1366,18 @@ void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<
       });
 }
 
+// The op's replay of a stream (fastmha::_dropout_multipliers) in pieces of a bounded Philox buffer.
+template <typename T>
+void dropout_multipliers_impl(uint64_t seed, uint64_t offset, double p, uint64_t first, int64_t n, T* out) {
+  constexpr int64_t kPiece = 4096;
+  std::vector<uint32_t> words;
+  const T scale = T(1.0 / (1.0 - p));
+  for (int64_t i = 0; i < n; i += kPiece) {
+    fill_multipliers(seed, offset, static_cast<float>(p), scale, first + static_cast<uint64_t>(i),
+                     std::min(kPiece, n - i), words, out + i);
+  }
+}
+
 }  // namespace
 
 void attention_forward(const AttentionInputs<float>& in, const AttentionForwardOutputs<float>& out) {
@@ -1393,6 +1391,12 @@ void attention_backward(const AttentionInputs<float>& in, const AttentionBackwar
 }
 void attention_backward(const AttentionInputs<double>& in, const AttentionBackwardTensors<double>& g) {
   backward_impl(in, g);
+}
+void dropout_multipliers(uint64_t seed, uint64_t offset, double p, uint64_t first, int64_t n, float* out) {
+  dropout_multipliers_impl(seed, offset, p, first, n, out);
+}
+void dropout_multipliers(uint64_t seed, uint64_t offset, double p, uint64_t first, int64_t n, double* out) {
+  dropout_multipliers_impl(seed, offset, p, first, n, out);
 }
 
 }  // namespace CPU_CAPABILITY

@@ -158,6 +158,8 @@ inline int64_t backward_key_block(int64_t l2_bytes, int64_t rows, int64_t elemen
   void attention_forward(const AttentionInputs<double>&, const AttentionForwardOutputs<double>&);   \
   void attention_backward(const AttentionInputs<float>&, const AttentionBackwardTensors<float>&);   \
   void attention_backward(const AttentionInputs<double>&, const AttentionBackwardTensors<double>&); \
+  void dropout_multipliers(uint64_t, uint64_t, double, uint64_t, int64_t, float*);                  \
+  void dropout_multipliers(uint64_t, uint64_t, double, uint64_t, int64_t, double*);                 \
   }
 
 FASTMHA_DECLARE_CPU_KERNELS(DEFAULT)
@@ -165,5 +167,10 @@ FASTMHA_DECLARE_CPU_KERNELS(DEFAULT)
 FASTMHA_DECLARE_CPU_KERNELS(AVX2)
 FASTMHA_DECLARE_CPU_KERNELS(AVX512)
 #endif
+
+// Dropout multipliers (0 or 1/(1-p)) of elements first .. first + n - 1 of the stream (seed, offset) into out, as
+// the kernels apply them, on the vector ISA the kernels run on (one thread; the caller splits the range).
+void dropout_multipliers(uint64_t seed, uint64_t offset, double p, uint64_t first, int64_t n, float* out);
+void dropout_multipliers(uint64_t seed, uint64_t offset, double p, uint64_t first, int64_t n, double* out);
 
 }  // namespace fastmha::cpu

@@ -1,13 +1,14 @@
-// Sixteen consecutive Philox4x32-10 blocks at a time for the CPU kernels' dropout: the same words as
-// philox::random4 (ops/philox.h), which the kernels' per-element draws must match bit for bit. Included by
-// each per-ISA compile of the kernels (CPU_CAPABILITY): with AVX2 the rounds run on two independent 8-lane
-// chains, which hides the latency of the 32 x 32 -> 64-bit multiplies (about 4x the throughput of the
-// compiler's code for the plain loop on Zen 3); otherwise, and where a batch's counters carry into their high
-// word, one philox::random4 per block.
+// Sixteen consecutive Philox4x32-10 blocks at a time for the CPU kernels' dropout and its replay by
+// fastmha::_dropout_multipliers: the same words as philox::random4 (ops/philox.h), which the kernels' per-element
+// draws must match bit for bit. Included by each per-ISA compile of the kernels (CPU_CAPABILITY): with AVX2 the
+// rounds run on two independent 8-lane chains, which hides the latency of the 32 x 32 -> 64-bit multiplies (about
+// 4x the throughput of the compiler's code for the plain loop on Zen 3); otherwise, and where a batch's counters
+// carry into their high word, one philox::random4 per block.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -82,6 +83,26 @@ inline void philox_blocks16(uint64_t seed, uint64_t offset, uint64_t first_block
   for (int64_t l = 0; l < kPhiloxBatch; ++l) {
     const philox::Block block = philox::random4(seed, offset, first_block + static_cast<uint64_t>(l));
     std::copy(block.word, block.word + 4, words + l * 4);
+  }
+}
+
+// Multipliers (0 or `scale`) of elements first .. first + n - 1 of the stream (seed, offset): the same numbers as
+// philox::keep_scale, element i drawing word i % 4 of block i / 4. `words` is scratch, resized as needed.
+template <typename T>
+void fill_multipliers(uint64_t seed, uint64_t offset, float p, T scale, uint64_t first, int64_t n,
+                      std::vector<uint32_t>& words, T* out) {
+  if (n <= 0) {
+    return;
+  }
+  const uint64_t first_block = first >> 2, last_block = (first + static_cast<uint64_t>(n) - 1) >> 2;
+  const int64_t blocks = static_cast<int64_t>(last_block - first_block + 1);
+  words.resize(static_cast<size_t>((blocks + kPhiloxBatch) * 4));
+  for (int64_t b0 = 0; b0 < blocks; b0 += kPhiloxBatch) {
+    philox_blocks16(seed, offset, first_block + static_cast<uint64_t>(b0), words.data() + b0 * 4);
+  }
+  const uint32_t* w = words.data() + (first & 3);
+  for (int64_t j = 0; j < n; ++j) {
+    out[j] = philox::to_uniform(w[j]) >= p ? scale : T(0);
   }
 }
 
