@@ -78,6 +78,22 @@ def check_block_inputs(q: Tensor, k: Tensor, v: Tensor, d_model: int, q_name: st
                            + ", value " + shape(v))
 
 
+@torch.jit.ignore
+def check_cache(cache: object) -> None:
+    """A decoding step's cache: None or the (key_cache, value_cache) pair a previous step returned (TorchScript's
+    Tuple annotation checks a scripted call)."""
+    if cache is None or (isinstance(cache, (tuple, list)) and len(cache) == 2):
+        return
+    if isinstance(cache, (tuple, list)):
+        got = "a " + type(cache).__name__ + " of " + str(len(cache))
+    elif isinstance(cache, Tensor):
+        got = "a tensor of shape " + str(list(cache.shape))
+    else:
+        got = _type_name(cache)
+    raise RuntimeError("fastmha: cache must be None or the (key_cache, value_cache) pair a previous step returned, "
+                       "got " + got)
+
+
 def check_step_widths(x: Tensor, widths: List[int], d_model: int) -> None:
     """A decoding step's x goes to w_q, w_k and w_v: it must have the features of each that says (``widths``, -1
     where the module does not say)."""

@@ -577,6 +577,8 @@ class MultiHeadAttentionBlock(nn.Module):
         key_cache: Optional[Tensor] = None
         value_cache: Optional[Tensor] = None
         if cache is not None:
+            if not torch.jit.is_scripting():
+                _module_checks.check_cache(cache)
             key_cache, value_cache = cache
         p = self._dropout_p()
         fused = torch.jit.is_scripting() or not self._step_takes_module_path()  # scripted: _calls_modules decides

@@ -56,3 +56,16 @@ def test_mismatched_caches_are_rejected():
     block = fastmha.MultiHeadAttentionBlock(8, 2, 0.0)
     with pytest.raises(RuntimeError, match=r"key_cache and value_cache must have shape \(batch, heads, T_past, d_k\)"):
         block.forward_step(torch.randn(1, 1, 8), (torch.randn(1, 2, 3, 4), torch.randn(1, 2, 2, 4)))
+
+
+@pytest.mark.parametrize("cache, got", [
+    (lambda k, v: (k,), "a tuple of 1"),
+    (lambda k, v: [k, v, v], "a list of 3"),
+    (lambda k, v: k, r"a tensor of shape \[1, 2, 3, 4\]"),
+    (lambda k, v: "kv", "str"),
+], ids=["one", "three", "tensor", "string"])
+def test_a_cache_that_is_not_a_pair_is_named(cache, got):
+    block = fastmha.MultiHeadAttentionBlock(8, 2, 0.0)
+    _, (k, v) = block.forward_step(torch.randn(1, 3, 8))
+    with pytest.raises(RuntimeError, match=r"cache must be None or the \(key_cache, value_cache\) pair .*got " + got):
+        block.forward_step(torch.randn(1, 1, 8), cache(k, v))
