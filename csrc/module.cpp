@@ -4,6 +4,13 @@
 #include <c10/util/Exception.h>
 
 namespace fastmha {
+namespace {
+
+void check_dropout(double p) {
+  TORCH_CHECK(p >= 0.0 && p <= 1.0, "fastmha: dropout must be in [0, 1], got ", p);  // NaN fails both
+}
+
+}  // namespace
 
 MultiHeadAttentionImpl::MultiHeadAttentionImpl(const MultiHeadAttentionOptions& options_) : options(options_) {
   reset();
@@ -16,8 +23,7 @@ void MultiHeadAttentionImpl::reset() {
   TORCH_CHECK(heads > 0, "fastmha: heads must be positive, got ", heads);
   TORCH_CHECK(d_model % heads == 0, "fastmha: d_model must be divisible by heads, got d_model ", d_model, " and heads ",
               heads);
-  TORCH_CHECK(options.dropout() >= 0.0 && options.dropout() < 1.0, "fastmha: dropout must be in [0, 1), got ",
-              options.dropout());
+  check_dropout(options.dropout());
   auto linear = torch::nn::LinearOptions(d_model, d_model).bias(false);
   w_q = register_module("w_q", torch::nn::Linear(linear));
   w_k = register_module("w_k", torch::nn::Linear(linear));
@@ -29,18 +35,26 @@ void MultiHeadAttentionImpl::reset() {
 
 at::Tensor MultiHeadAttentionImpl::forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                            const at::Tensor& mask) {
-  const double dropout_p = is_training() ? options.dropout() : 0.0;
+  // The registered dropout module decides, as the Python block's does: its probability (options.dropout() at
+  // construction, dropout->options.p() after) while it is in training mode.
+  const double p = dropout->options.p();
+  check_dropout(p);
+  const double dropout_p = dropout->is_training() ? p : 0.0;
   auto [output, weights] =
       multi_head_attention(query, key, value, w_q->weight, w_k->weight, w_v->weight, w_o->weight, options.heads(),
-                           mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt, dropout_p,
-                           options.need_weights(), options.is_causal());
+                           mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt,
+                           dropout_p < 1.0 ? dropout_p : 0.0, options.need_weights(), options.is_causal());
+  if (dropout_p >= 1.0) {  // torch::nn::Dropout(1.0) drops every weight: zero weights, zero output
+    output = output * 0.0;
+    weights = weights * 0.0;
+  }
   attention_scores_.set(options.need_weights() ? weights : at::Tensor());
   return output;
 }
 
 void MultiHeadAttentionImpl::pretty_print(std::ostream& stream) const {
   stream << "fastmha::MultiHeadAttention(d_model=" << options.d_model() << ", heads=" << options.heads()
-         << ", dropout=" << options.dropout() << ", need_weights=" << (options.need_weights() ? "true" : "false")
+         << ", dropout=" << dropout->options.p() << ", need_weights=" << (options.need_weights() ? "true" : "false")
          << ", is_causal=" << (options.is_causal() ? "true" : "false") << ")";
 }
 

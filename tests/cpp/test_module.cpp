@@ -57,10 +57,39 @@ TEST_CASE("dropout only in training mode", "[module]") {
   CHECK(dropped < 0.6);
 }
 
+TEST_CASE("the dropout submodule decides, as in Python", "[module]") {
+  fastmha::MultiHeadAttention mha(fastmha::MultiHeadAttentionOptions(8, 2));
+  mha->to(torch::kFloat64);
+  auto x = torch::randn({2, 16, 8}, torch::kFloat64);
+  mha->train();
+  mha->dropout->options.p(0.5);  // after construction: forward reads the submodule
+  mha(x, x, x);
+  const double dropped = (mha->attention_scores() == 0).to(torch::kFloat64).mean().item<double>();
+  CHECK(dropped > 0.4);
+  CHECK(dropped < 0.6);
+  std::ostringstream printed;
+  mha->pretty_print(printed);
+  CHECK(printed.str().find("dropout=0.5") != std::string::npos);
+  mha->dropout->eval();  // its own mode, as nn.Dropout's in the Python block
+  auto eval_out = mha(x, x, x);
+  CHECK((mha->attention_scores() == 0).sum().item<int64_t>() == 0);
+  CHECK(oracle::close(
+      eval_out,
+      oracle::block(x, x, x, mha->w_q->weight, mha->w_k->weight, mha->w_v->weight, mha->w_o->weight, 2).first));
+  mha->dropout->train();
+  mha->dropout->options.p(1.0);  // every weight dropped
+  CHECK(torch::equal(mha(x, x, x), torch::zeros({2, 16, 8}, torch::kFloat64)));
+  CHECK(torch::equal(mha->attention_scores(), torch::zeros({2, 2, 16, 16}, torch::kFloat64)));
+  mha->dropout->options.p(1.5);
+  CHECK_THROWS_WITH(mha(x, x, x), Catch::Contains("dropout must be in [0, 1], got 1.5"));
+}
+
 TEST_CASE("invalid options are rejected", "[module]") {
   CHECK_THROWS_WITH(fastmha::MultiHeadAttention(10, 3), Catch::Contains("d_model must be divisible by heads"));
-  CHECK_THROWS_WITH(fastmha::MultiHeadAttention(fastmha::MultiHeadAttentionOptions(8, 2).dropout(1.0)),
-                    Catch::Contains("dropout must be in [0, 1), got 1"));
+  CHECK_THROWS_WITH(fastmha::MultiHeadAttention(fastmha::MultiHeadAttentionOptions(8, 2).dropout(1.5)),
+                    Catch::Contains("dropout must be in [0, 1], got 1.5"));
+  CHECK_THROWS_WITH(fastmha::MultiHeadAttention(fastmha::MultiHeadAttentionOptions(8, 2).dropout(-0.1)),
+                    Catch::Contains("dropout must be in [0, 1], got -0.1"));
   CHECK_THROWS_WITH(fastmha::MultiHeadAttention(0, 1), Catch::Contains("d_model must be positive"));
 }
 

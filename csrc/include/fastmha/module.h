@@ -54,7 +54,9 @@ struct MultiHeadAttentionOptions {
   TORCH_ARG(int64_t, d_model);
   /// Number of heads h; each has d_k = d_model / h features.
   TORCH_ARG(int64_t, heads);
-  /// Dropout probability on the attention weights, in training mode only. In [0, 1).
+  /// Dropout probability on the attention weights, in training mode only, in [0, 1] (1 drops every weight). It
+  /// initialises the module's `dropout` submodule, which forward reads (its p and training mode), as in Python:
+  /// change it later through `dropout->options.p()`.
   TORCH_ARG(double, dropout) = 0.0;
   /// Keep the attention weights after each forward (attention_scores()); false saves their memory.
   TORCH_ARG(bool, need_weights) = true;
