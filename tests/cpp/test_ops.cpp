@@ -101,3 +101,26 @@ TEST_CASE("bad inputs raise errors naming the argument", "[ops]") {
                     Catch::Contains("dropout_p must be in [0, 1), got 1.5"));
   CHECK_THROWS_WITH(fastmha::attention(x, x, x), Catch::Contains("query must be 4-D"));
 }
+
+TEST_CASE("decoding steps match the causal block, and caches are named", "[ops]") {
+  torch::manual_seed(5);
+  const auto opts = torch::TensorOptions().dtype(torch::kFloat64);
+  auto x = torch::randn({2, 5, 8}, opts);
+  auto w_q = torch::randn({8, 8}, opts), w_k = torch::randn({8, 8}, opts), w_v = torch::randn({8, 8}, opts),
+       w_o = torch::randn({8, 8}, opts);
+  // Two positions, then three more on the returned caches.
+  auto [first, keys, values] = fastmha::multi_head_attention_step(x.slice(1, 0, 2), w_q, w_k, w_v, w_o, 2);
+  auto [rest, all_keys, all_values] =
+      fastmha::multi_head_attention_step(x.slice(1, 2, 5), w_q, w_k, w_v, w_o, 2, keys, values);
+  CHECK(all_keys.sizes() == torch::IntArrayRef({2, 2, 5, 4}));
+  auto causal = torch::tril(torch::ones({5, 5}));
+  auto expected = oracle::block(x, x, x, w_q, w_k, w_v, w_o, 2, causal).first;
+  CHECK(oracle::close(torch::cat({first, rest}, 1), expected));
+  // A C++ caller's undefined tensor where Python passes None.
+  CHECK_THROWS_WITH(fastmha::multi_head_attention_step(x, w_q, w_k, w_v, w_o, 2, torch::Tensor(), torch::Tensor()),
+                    Catch::Contains("key_cache must be a tensor, got None (an undefined tensor)"));
+  CHECK_THROWS_WITH(fastmha::multi_head_attention_step(x, w_q, w_k, w_v, w_o, 2, keys, torch::Tensor()),
+                    Catch::Contains("value_cache must be a tensor, got None (an undefined tensor)"));
+  CHECK_THROWS_WITH(fastmha::multi_head_attention_step(x, w_q, w_k, w_v, w_o, 2, keys),
+                    Catch::Contains("key_cache and value_cache must be given together"));
+}
