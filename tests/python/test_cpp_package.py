@@ -1,6 +1,7 @@
 """C++ users: outside CMake projects build against the installed package (find_package(fastmha)), load a
 model saved from Python without calling a fastmha symbol, train in C++, and weights move both ways."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -13,10 +14,11 @@ import fastmha
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def build_example(name, build_dir):
+def build_example(name, build_dir, source_dir=None):
     venv_cmake = Path(sys.executable).parent / "cmake"
     cmake = str(venv_cmake) if venv_cmake.exists() else "cmake"
-    configure = [cmake, "-S", str(ROOT / "examples" / "cpp" / name), "-B", str(build_dir), "-G", "Ninja",
+    source_dir = source_dir or ROOT / "examples" / "cpp" / name
+    configure = [cmake, "-S", str(source_dir), "-B", str(build_dir), "-G", "Ninja",
                  f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path};{fastmha.cmake_prefix_path}",
                  "-DCMAKE_BUILD_TYPE=Release"]
     if shutil.which("ccache"):
@@ -114,3 +116,31 @@ def test_aotinductor_package_runs_from_cpp(tmp_path):
     result = subprocess.run([str(exe), package, str(tmp_path / "data.pt")], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "max |C++ - Python|" in result.stdout
+
+
+def readme_block(tag, containing):
+    """The README's fenced ```tag block that contains the text ``containing``."""
+    blocks = re.findall(r"^```" + tag + r"\n(.*?)^```$", (ROOT / "README.md").read_text(encoding="utf-8"),
+                        re.MULTILINE | re.DOTALL)
+    found = [block for block in blocks if containing in block]
+    assert len(found) == 1, (tag, containing, len(found))
+    return found[0]
+
+
+def test_readme_cpp_example_runs_on_the_readmes_scripted_encoder(tmp_path):
+    # The README's C++ program, built with its CMake lines, loads the encoder.pt that its Python block saves.
+    (tmp_path / "encoder.py").write_text(readme_block("python", 'save("encoder.pt")'))  # scripting reads its source
+    saved = subprocess.run([sys.executable, "encoder.py"], cwd=tmp_path, capture_output=True, text=True)
+    assert saved.returncode == 0 and (tmp_path / "encoder.pt").exists(), saved.stdout + saved.stderr
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "main.cpp").write_text(readme_block("cpp", "int main()"))
+    (source / "CMakeLists.txt").write_text(
+        "cmake_minimum_required(VERSION 3.22)\nproject(app LANGUAGES CXX)\nset(CMAKE_CXX_STANDARD 20)\n"
+        + readme_block("cmake", "find_package(fastmha REQUIRED)").replace(
+            "target_link_libraries(app", "add_executable(app main.cpp)\ntarget_link_libraries(app"))
+    exe = build_example("app", tmp_path / "build", source)
+    result = subprocess.run([str(exe)], cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # The state dict it saved loads into the Python block.
+    fastmha.MultiHeadAttentionBlock(64, 4, 0.1).load_state_dict(fastmha.load_cpp_state_dict(tmp_path / "mha.pt"))
