@@ -1,7 +1,8 @@
 // Trains a tiny model in pure C++: a fastmha::MultiHeadAttention block and a linear head learn to output,
 // at every position, the mean of the sequence's first vector and its own (attention must find position 0).
 // Gradients flow through fastmha's C++ Autograd kernel. Writes OUT_DIR/attention.pt (the block's state
-// dict, readable by Python's torch.load) and OUT_DIR/probe.pt (an input and the block's output on it).
+// dict) and OUT_DIR/probe.pt (an input and the block's output on it), which Python reads with
+// fastmha.load_cpp_state_dict (torch.load's weights_only mode refuses the C++ pickler's type tags).
 //   usage: train OUT_DIR [STEPS [INIT.pt]]   (INIT.pt: the block's state dict saved by Python's torch.save)
 #include <torch/torch.h>
 
@@ -59,7 +60,7 @@ int main(int argc, char** argv) {
   fastmha::save_state_dict(*model.attention, (out_dir / "attention.pt").string());
   torch::NoGradGuard no_grad;
   auto probe = torch::randn({2, 7, 32});
-  c10::impl::GenericDict saved(c10::AnyType::get(), c10::AnyType::get());  // untyped: torch.load's default reads it
+  c10::impl::GenericDict saved(c10::AnyType::get(), c10::AnyType::get());  // as save_state_dict writes its dict
   saved.insert("input", probe);
   saved.insert("output", model.attention(probe, probe, probe));
   const auto bytes = torch::pickle_save(c10::IValue(saved));
