@@ -132,7 +132,8 @@ def test_bench_double_backward_quick_run(tmp_path):
                     str(out)], check=True, capture_output=True, timeout=300)
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert [(r["batch"], r["length"]) for r in rows] == [(2, 16)]
-    assert set(rows[0]["ms"]) == {"penalty_fastmha", "penalty_oracle", "plain_fastmha", "plain_oracle"}
+    assert set(rows[0]["ms"]) == {"penalty_fastmha", "penalty_oracle", "plain_fastmha", "plain_oracle",
+                                  "replay_fastmha", "replay_bernoulli"}
     assert all(t > 0 for t in rows[0]["ms"].values())
     assert rows[0]["penalty_ratio"] == pytest.approx(rows[0]["ms"]["penalty_oracle"] / rows[0]["ms"]["penalty_fastmha"],
                                                      abs=0.01)

@@ -115,7 +115,7 @@ def test_every_cpu_variant_matches_the_oracle(tmp_path, capability):
     keep = expected_keep(seed, offset, tuple(big_w.shape), 0.3)
     assert torch.equal(big_w != 0, keep & padding)
     # The replay of that stream (the double backward's) draws it with the same variant's code.
-    assert torch.equal(multipliers, keep.float() * torch.tensor(1 / 0.7, dtype=torch.float32))
+    assert torch.equal(multipliers, keep.float() * torch.tensor(1 / (1 - 0.3), dtype=torch.float32))
     ref_out, ref_w = oracle_attention(*(t.double() for t in big), padding, keep=keep, p=0.3)
     torch.testing.assert_close(big_w, ref_w.float(), atol=1e-6, rtol=1e-4)
     torch.testing.assert_close(big_out, ref_out.float(), atol=1e-5, rtol=1e-4)
