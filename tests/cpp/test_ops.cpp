@@ -123,4 +123,7 @@ TEST_CASE("decoding steps match the causal block, and caches are named", "[ops]"
                     Catch::Contains("value_cache must be a tensor, got None (an undefined tensor)"));
   CHECK_THROWS_WITH(fastmha::multi_head_attention_step(x, w_q, w_k, w_v, w_o, 2, keys),
                     Catch::Contains("key_cache and value_cache must be given together"));
+  CHECK_THROWS_WITH(
+      fastmha::multi_head_attention_step(x, w_q, w_k, w_v, w_o, 2, std::nullopt, std::nullopt, torch::Tensor()),
+      Catch::Contains("mask must be a tensor, got None (an undefined tensor)"));
 }
