@@ -35,11 +35,7 @@ void MultiHeadAttentionImpl::reset() {
 
 at::Tensor MultiHeadAttentionImpl::forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                            const at::Tensor& mask) {
-  // The registered dropout module decides, as the Python block's does: its probability (options.dropout() at
-  // construction, dropout->options.p() after) while it is in training mode.
-  const double p = dropout->options.p();
-  check_dropout(p);
-  const double dropout_p = dropout->is_training() ? p : 0.0;
+  const double dropout_p = applied_dropout();
   auto [output, weights] =
       multi_head_attention(query, key, value, w_q->weight, w_k->weight, w_v->weight, w_o->weight, options.heads(),
                            mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt,
@@ -50,6 +46,28 @@ at::Tensor MultiHeadAttentionImpl::forward(const at::Tensor& query, const at::Te
   }
   attention_scores_.set(options.need_weights() ? weights : at::Tensor());
   return output;
+}
+
+std::pair<at::Tensor, std::pair<at::Tensor, at::Tensor>> MultiHeadAttentionImpl::forward_step(
+    const at::Tensor& x, const std::optional<std::pair<at::Tensor, at::Tensor>>& cache, const at::Tensor& mask) {
+  const double dropout_p = applied_dropout();
+  auto [output, keys, values] = multi_head_attention_step(
+      x, w_q->weight, w_k->weight, w_v->weight, w_o->weight, options.heads(),
+      cache.has_value() ? std::optional<at::Tensor>(cache->first) : std::nullopt,
+      cache.has_value() ? std::optional<at::Tensor>(cache->second) : std::nullopt,
+      mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt, dropout_p < 1.0 ? dropout_p : 0.0);
+  if (dropout_p >= 1.0) {  // every weight dropped
+    output = output * 0.0;
+  }
+  return {output, {keys, values}};
+}
+
+double MultiHeadAttentionImpl::applied_dropout() const {
+  // The registered dropout module decides, as the Python block's does: its probability (options.dropout() at
+  // construction, dropout->options.p() after) while it is in training mode.
+  const double p = dropout->options.p();
+  check_dropout(p);
+  return dropout->is_training() ? p : 0.0;
 }
 
 void MultiHeadAttentionImpl::pretty_print(std::ostream& stream) const {

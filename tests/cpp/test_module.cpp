@@ -185,3 +185,30 @@ TEST_CASE("state dicts round-trip through a file in torch.save's format", "[modu
                     Catch::Contains("'w_q.weight' has shape [16, 16]") && Catch::Contains("but [8, 8] in the module"));
   std::filesystem::remove(path);
 }
+
+TEST_CASE("forward_step decodes as forward does with a causal mask", "[module]") {
+  torch::manual_seed(11);
+  fastmha::MultiHeadAttention mha(fastmha::MultiHeadAttentionOptions(16, 4).dropout(0.3));
+  mha->to(torch::kFloat64);
+  mha->eval();
+  auto x = torch::randn({2, 6, 16}, torch::kFloat64);
+  auto padding = torch::ones({2, 1, 1, 6}, torch::kLong);
+  padding.index_put_({1, 0, 0, 2}, 0);  // the second sequence hides its third position (no row sees no key)
+  auto expected = mha(x, x, x, torch::tril(torch::ones({6, 6}, torch::kLong)) * padding);
+  auto before = mha->attention_scores();
+  // One position, then two, then three, each step given the mask's columns up to its last position.
+  std::optional<std::pair<at::Tensor, at::Tensor>> cache;
+  std::vector<at::Tensor> outputs;
+  for (const auto& [from, to] : std::vector<std::pair<int64_t, int64_t>>{{0, 1}, {1, 3}, {3, 6}}) {
+    auto [out, next] = mha->forward_step(x.slice(1, from, to), cache, padding.slice(3, 0, to));
+    CHECK(next.first.sizes() == torch::IntArrayRef({2, 4, to, 4}));
+    outputs.push_back(out);
+    cache = next;
+  }
+  CHECK(oracle::close(torch::cat(outputs, 1), expected));
+  CHECK(mha->attention_scores().is_same(before));  // left as it was
+  // In training mode the dropout submodule applies; p = 1 drops every weight.
+  mha->train();
+  mha->dropout->options.p(1.0);
+  CHECK(torch::equal(mha->forward_step(x).first, torch::zeros({2, 6, 16}, torch::kFloat64)));
+}

@@ -18,6 +18,8 @@
 #include <torch/nn/pimpl.h>
 
 #include <mutex>
+#include <optional>
+#include <utility>
 
 namespace fastmha {
 
@@ -75,6 +77,15 @@ class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImp
   at::Tensor forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                      const at::Tensor& mask = {});
 
+  /// Incremental decoding of a decoder's self-attention, as the Python block's forward_step: x (batch, T_new,
+  /// d_model) are new positions, cache the (key, value) tensors (batch, heads, T_past, d_k) that the previous step
+  /// returned (std::nullopt at the start). Each new position attends the cached positions and the new ones up to
+  /// itself, where mask (broadcastable to (batch, heads, T_new, T_past + T_new)) is not 0. Returns the output
+  /// (batch, T_new, d_model) and the new cache; attention_scores() is left as it was.
+  std::pair<at::Tensor, std::pair<at::Tensor, at::Tensor>> forward_step(
+      const at::Tensor& x, const std::optional<std::pair<at::Tensor, at::Tensor>>& cache = std::nullopt,
+      const at::Tensor& mask = {});
+
   /// The post-dropout attention weights of the last forward (batch, heads, Lq, Lk); undefined when
   /// need_weights is false or before the first forward.
   at::Tensor attention_scores() const { return attention_scores_.get(); }
@@ -90,6 +101,10 @@ class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImp
   FORWARD_HAS_DEFAULT_ARGS({3, torch::nn::AnyValue(at::Tensor())})
 
  private:
+  // The dropout probability forward and forward_step apply now: the dropout submodule's, checked, in its training
+  // mode, else 0.
+  double applied_dropout() const;
+
   detail::LastWeights attention_scores_;
 };
 
