@@ -6,7 +6,8 @@
 #   PHASES=build,test bash scripts/gpu_check.sh OUTDIR     # a subset
 #
 # The phases' limits add up to more than 10 minutes; where one call may last 10 minutes at most, run it as
-# two calls on the same machine: PHASES=build,test,sanitize, then PHASES=bench (the build stays).
+# two calls on the same machine: PHASES=build,test,sanitize, then PHASES=bench (the build stays), or shorten
+# the phases: LIMIT_test_cuda_kernels=120 (the phase's name, dashes as underscores) sets that phase's limit.
 #
 # Each phase has its own time limit (so a hang costs one phase, not the whole check) and the next one runs even
 # when one fails; the exit status is non-zero if any failed. Without a GPU everything still runs (CUDA
@@ -24,8 +25,9 @@ PATH="$("$PY" -c 'import os, sys; print(os.path.dirname(sys.executable))'):$PATH
 [ -d /usr/local/cuda/bin ] && export PATH="$PATH:/usr/local/cuda/bin"
 status=0
 
-phase() {  # phase NAME LIMIT_SECONDS COMMAND...
-  local name=$1 limit=$2
+phase() {  # phase NAME LIMIT_SECONDS COMMAND...; LIMIT_<NAME> (dashes as underscores) overrides the limit
+  local name=$1 limit=$2 override="LIMIT_${1//-/_}"
+  limit=${!override:-$limit}
   shift 2
   local start=$SECONDS
   echo "== $name (limit ${limit}s)"
