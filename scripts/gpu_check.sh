@@ -4,6 +4,7 @@
 #
 #   bash scripts/gpu_check.sh OUTDIR                       # all phases: build, test, sanitize, bench
 #   PHASES=build,test bash scripts/gpu_check.sh OUTDIR     # a subset
+#   ARCHIVE=/path/results.tar.gz bash scripts/gpu_check.sh OUTDIR   # also OUTDIR packed in one file, after each phase
 #
 # The phases' limits add up to more than 10 minutes; where one call may last 10 minutes at most, run it as
 # two calls on the same machine: PHASES=build,test,sanitize, then PHASES=bench (the build stays), or shorten
@@ -36,7 +37,10 @@ phase() {  # phase NAME LIMIT_SECONDS COMMAND...; LIMIT_<NAME> (dashes as unders
   echo "$name: rc=$rc, $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
   tail -n 4 "$OUT/$name.log"
   [ "$rc" = 0 ] || status=1
+  pack
 }
+# Refreshed after every phase, so that a check cut short still leaves what it found in the archive.
+pack() { [ -z "${ARCHIVE:-}" ] || tar czf "$ARCHIVE" -C "$(dirname "$OUT")" "$(basename "$OUT")"; }
 wants() { [[ ",$PHASES," == *",$1,"* ]]; }
 
 {
@@ -47,6 +51,7 @@ wants() { [[ ",$PHASES," == *",$1,"* ]]; }
   "$PY" -c "import setuptools; print('setuptools', setuptools.__version__)" 2>&1 | tail -n 1
 } >"$OUT/environment.txt" 2>&1
 cat "$OUT/environment.txt"
+pack
 
 if wants build; then
   # Only the local GPU's arch by default: the shortest build (the default of a normal build is 8.0;9.0+PTX).
