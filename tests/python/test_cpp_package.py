@@ -1,13 +1,13 @@
 """C++ users: outside CMake projects build against the installed package (find_package(fastmha)), load a
 model saved from Python without calling a fastmha symbol, train in C++, and weights move both ways."""
 
-import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from readme_blocks import readme_block
 
 import fastmha
 
@@ -116,15 +116,6 @@ def test_aotinductor_package_runs_from_cpp(tmp_path):
     result = subprocess.run([str(exe), package, str(tmp_path / "data.pt")], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "max |C++ - Python|" in result.stdout
-
-
-def readme_block(tag, containing):
-    """The README's fenced ```tag block that contains the text ``containing``."""
-    blocks = re.findall(r"^```" + tag + r"\n(.*?)^```$", (ROOT / "README.md").read_text(encoding="utf-8"),
-                        re.MULTILINE | re.DOTALL)
-    found = [block for block in blocks if containing in block]
-    assert len(found) == 1, (tag, containing, len(found))
-    return found[0]
 
 
 def test_readme_cpp_example_runs_on_the_readmes_scripted_encoder(tmp_path):
