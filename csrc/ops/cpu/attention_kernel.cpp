@@ -140,34 +140,6 @@ bool all_finite(const at::Tensor& t) {
   return finite;
 }
 
-template <typename Args, typename Results>
-void run_forward(const Args& in, const Results& out) {
-  switch (cpu::capability()) {
-#ifdef FASTMHA_CPU_X86
-    case cpu::Capability::AVX512:
-      return cpu::AVX512::attention_forward(in, out);
-    case cpu::Capability::AVX2:
-      return cpu::AVX2::attention_forward(in, out);
-#endif
-    default:
-      return cpu::DEFAULT::attention_forward(in, out);
-  }
-}
-
-template <typename Args, typename Grads>
-void run_backward(const Args& in, const Grads& grads) {
-  switch (cpu::capability()) {
-#ifdef FASTMHA_CPU_X86
-    case cpu::Capability::AVX512:
-      return cpu::AVX512::attention_backward(in, grads);
-    case cpu::Capability::AVX2:
-      return cpu::AVX2::attention_backward(in, grads);
-#endif
-    default:
-      return cpu::DEFAULT::attention_backward(in, grads);
-  }
-}
-
 detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query, const at::Tensor& key,
                                                         const at::Tensor& value, const std::optional<at::Tensor>& mask,
                                                         double dropout_p, bool need_weights, bool is_causal) {
@@ -221,7 +193,7 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
       in.half_source = half_inputs.view(false);
       in.widen_in_tasks = true;
     }
-    run_forward(in, out);
+    FASTMHA_CPU_DISPATCH(attention_forward, in, out);
   });
   return {output.to(dtype), weights.to(dtype), logsumexp, rng_state};
 }
@@ -318,7 +290,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
       grads.source_out = static_cast<const uint16_t*>(out.const_data_ptr());
       grads.half_grad_q = static_cast<uint16_t*>(grad_q.data_ptr());
     }
-    run_backward(in, grads);
+    FASTMHA_CPU_DISPATCH(attention_backward, in, grads);
   });
   // The outputs were allocated in the ops' layout (empty_output); .to keeps it.
   auto reduce = [&](const at::Tensor& partial, const at::Tensor& input) {
@@ -341,29 +313,12 @@ TORCH_LIBRARY_IMPL(fastmha, CPU, m) {
 }
 
 namespace cpu {
-namespace {
-
-template <typename T>
-void run_dropout_multipliers(uint64_t seed, uint64_t offset, double p, uint64_t first, int64_t n, T* out) {
-  switch (capability()) {
-#ifdef FASTMHA_CPU_X86
-    case Capability::AVX512:
-      return AVX512::dropout_multipliers(seed, offset, p, first, n, out);
-    case Capability::AVX2:
-      return AVX2::dropout_multipliers(seed, offset, p, first, n, out);
-#endif
-    default:
-      return DEFAULT::dropout_multipliers(seed, offset, p, first, n, out);
-  }
-}
-
-}  // namespace
 
 void dropout_multipliers(uint64_t seed, uint64_t offset, double p, uint64_t first, int64_t n, float* out) {
-  run_dropout_multipliers(seed, offset, p, first, n, out);
+  FASTMHA_CPU_DISPATCH(dropout_multipliers, seed, offset, p, first, n, out);
 }
 void dropout_multipliers(uint64_t seed, uint64_t offset, double p, uint64_t first, int64_t n, double* out) {
-  run_dropout_multipliers(seed, offset, p, first, n, out);
+  FASTMHA_CPU_DISPATCH(dropout_multipliers, seed, offset, p, first, n, out);
 }
 
 }  // namespace cpu

@@ -30,3 +30,21 @@ bool torch_half_on_tiles(c10::ScalarType dtype);
 int64_t l2_cache_bytes();
 
 }  // namespace fastmha::cpu
+
+// Calls `function(...)` of the compiled variant that capability() picks: fastmha::cpu::AVX512, AVX2 or DEFAULT
+// (each variant's translation unit defines the same functions in its own namespace).
+#ifdef FASTMHA_CPU_X86
+#define FASTMHA_CPU_DISPATCH(function, ...)                    \
+  [&] {                                                        \
+    switch (::fastmha::cpu::capability()) {                    \
+      case ::fastmha::cpu::Capability::AVX512:                 \
+        return ::fastmha::cpu::AVX512::function(__VA_ARGS__);  \
+      case ::fastmha::cpu::Capability::AVX2:                   \
+        return ::fastmha::cpu::AVX2::function(__VA_ARGS__);    \
+      default:                                                 \
+        return ::fastmha::cpu::DEFAULT::function(__VA_ARGS__); \
+    }                                                          \
+  }()
+#else
+#define FASTMHA_CPU_DISPATCH(function, ...) ::fastmha::cpu::DEFAULT::function(__VA_ARGS__)
+#endif
