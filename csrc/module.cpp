@@ -10,6 +10,11 @@ void check_dropout(double p) {
   TORCH_CHECK(p >= 0.0 && p <= 1.0, "fastmha: dropout must be in [0, 1], got ", p);  // NaN fails both
 }
 
+// The ops take no mask as std::nullopt; the module's callers pass an undefined tensor.
+std::optional<at::Tensor> optional_mask(const at::Tensor& mask) {
+  return mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt;
+}
+
 }  // namespace
 
 MultiHeadAttentionImpl::MultiHeadAttentionImpl(const MultiHeadAttentionOptions& options_) : options(options_) {
@@ -35,39 +40,32 @@ void MultiHeadAttentionImpl::reset() {
 
 at::Tensor MultiHeadAttentionImpl::forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                            const at::Tensor& mask) {
-  const double dropout_p = applied_dropout();
+  const AppliedDropout drop = applied_dropout();
   auto [output, weights] =
       multi_head_attention(query, key, value, w_q->weight, w_k->weight, w_v->weight, w_o->weight, options.heads(),
-                           mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt,
-                           dropout_p < 1.0 ? dropout_p : 0.0, options.need_weights(), options.is_causal());
-  if (dropout_p >= 1.0) {  // torch::nn::Dropout(1.0) drops every weight: zero weights, zero output
-    output = output * 0.0;
-    weights = weights * 0.0;
-  }
-  attention_scores_.set(options.need_weights() ? weights : at::Tensor());
-  return output;
+                           optional_mask(mask), drop.op_p, options.need_weights(), options.is_causal());
+  attention_scores_.set(options.need_weights() ? drop.applied_to(weights) : at::Tensor());
+  return drop.applied_to(output);
 }
 
 std::pair<at::Tensor, std::pair<at::Tensor, at::Tensor>> MultiHeadAttentionImpl::forward_step(
     const at::Tensor& x, const std::optional<std::pair<at::Tensor, at::Tensor>>& cache, const at::Tensor& mask) {
-  const double dropout_p = applied_dropout();
+  const AppliedDropout drop = applied_dropout();
   auto [output, keys, values] = multi_head_attention_step(
       x, w_q->weight, w_k->weight, w_v->weight, w_o->weight, options.heads(),
       cache.has_value() ? std::optional<at::Tensor>(cache->first) : std::nullopt,
-      cache.has_value() ? std::optional<at::Tensor>(cache->second) : std::nullopt,
-      mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt, dropout_p < 1.0 ? dropout_p : 0.0);
-  if (dropout_p >= 1.0) {  // every weight dropped
-    output = output * 0.0;
-  }
-  return {output, {keys, values}};
+      cache.has_value() ? std::optional<at::Tensor>(cache->second) : std::nullopt, optional_mask(mask), drop.op_p);
+  return {drop.applied_to(output), {keys, values}};
 }
 
-double MultiHeadAttentionImpl::applied_dropout() const {
+MultiHeadAttentionImpl::AppliedDropout MultiHeadAttentionImpl::applied_dropout() const {
   // The registered dropout module decides, as the Python block's does: its probability (options.dropout() at
   // construction, dropout->options.p() after) while it is in training mode.
   const double p = dropout->options.p();
   check_dropout(p);
-  return dropout->is_training() ? p : 0.0;
+  const double applied = dropout->is_training() ? p : 0.0;
+  // The ops take p < 1; torch::nn::Dropout(1.0) drops every weight, which zeroes the weights and the output.
+  return applied < 1.0 ? AppliedDropout{applied, false} : AppliedDropout{0.0, true};
 }
 
 void MultiHeadAttentionImpl::pretty_print(std::ostream& stream) const {
