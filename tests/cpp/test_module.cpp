@@ -207,8 +207,22 @@ TEST_CASE("forward_step decodes as forward does with a causal mask", "[module]")
   }
   CHECK(oracle::close(torch::cat(outputs, 1), expected));
   CHECK(mha->attention_scores().is_same(before));  // left as it was
-  // In training mode the dropout submodule applies; p = 1 drops every weight.
+  const auto eval_step = mha->forward_step(x).first;
+  // In training mode the dropout submodule's p reaches the step op: the same draw as the op given that p.
   mha->train();
+  torch::manual_seed(5);
+  const auto dropped = mha->forward_step(x).first;
+  torch::manual_seed(5);
+  const auto direct = std::get<0>(fastmha::multi_head_attention_step(x, mha->w_q->weight, mha->w_k->weight,
+                                                                     mha->w_v->weight, mha->w_o->weight, 4,
+                                                                     std::nullopt, std::nullopt, std::nullopt, 0.3));
+  CHECK(torch::equal(dropped, direct));
+  CHECK(!oracle::close(dropped, eval_step));
+  // The submodule's own mode decides, also while the module trains.
+  mha->dropout->eval();
+  CHECK(torch::equal(mha->forward_step(x).first, eval_step));
+  // p = 1 drops every weight.
+  mha->dropout->train();
   mha->dropout->options.p(1.0);
   CHECK(torch::equal(mha->forward_step(x).first, torch::zeros({2, 6, 16}, torch::kFloat64)));
 }

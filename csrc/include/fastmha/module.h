@@ -57,7 +57,8 @@ struct MultiHeadAttentionOptions {
   /// Number of heads h; each has d_k = d_model / h features.
   TORCH_ARG(int64_t, heads);
   /// Dropout probability on the attention weights, in training mode only, in [0, 1] (1 drops every weight). It
-  /// initialises the module's `dropout` submodule, which forward reads (its p and training mode), as in Python:
+  /// initialises the module's `dropout` submodule, which forward and forward_step read (its p and training mode),
+  /// as in Python:
   /// change it later through `dropout->options.p()`.
   TORCH_ARG(double, dropout) = 0.0;
   /// Keep the attention weights after each forward (attention_scores()); false saves their memory.
@@ -81,7 +82,9 @@ class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImp
   /// d_model) are new positions, cache the (key, value) tensors (batch, heads, T_past, d_k) that the previous step
   /// returned (std::nullopt at the start). Each new position attends the cached positions and the new ones up to
   /// itself, where mask (broadcastable to (batch, heads, T_new, T_past + T_new)) is not 0. Returns the output
-  /// (batch, T_new, d_model) and the new cache; attention_scores() is left as it was.
+  /// (batch, T_new, d_model) and the new cache (pass it back as is, or std::make_pair(keys, values));
+  /// attention_scores() is left as it was. The outputs equal forward's with a causal mask, except for a position
+  /// that sees no key: forward spreads it over every position, future ones too, a step over those it sees.
   std::pair<at::Tensor, std::pair<at::Tensor, at::Tensor>> forward_step(
       const at::Tensor& x, const std::optional<std::pair<at::Tensor, at::Tensor>>& cache = std::nullopt,
       const at::Tensor& mask = {});
@@ -101,9 +104,14 @@ class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImp
   FORWARD_HAS_DEFAULT_ARGS({3, torch::nn::AnyValue(at::Tensor())})
 
  private:
-  // The dropout probability forward and forward_step apply now: the dropout submodule's, checked, in its training
-  // mode, else 0.
-  double applied_dropout() const;
+  // The dropout forward and forward_step apply now: the dropout submodule's probability, checked, in its training
+  // mode, else 0. op_p is what the ops are given; drops_all (p = 1) zeroes what they return instead.
+  struct AppliedDropout {
+    double op_p;
+    bool drops_all;
+    at::Tensor applied_to(const at::Tensor& t) const { return drops_all ? t * 0.0 : t; }
+  };
+  AppliedDropout applied_dropout() const;
 
   detail::LastWeights attention_scores_;
 };
