@@ -67,13 +67,18 @@ if wants build; then
   "$PY" -c "import fastmha; print(fastmha.build_info)" | tee -a "$OUT/summary.txt"
 fi
 if wants test; then
+  # Where the plugins are there: a time limit per test (a hang costs one test, not the phase) and, on a machine
+  # with many cores, a few test processes sharing the GPU.
+  pytest_args=(-q -p no:cacheprovider -rfE)
+  "$PY" -c "import pytest_timeout" 2>/dev/null && pytest_args+=(--timeout="${TEST_TIMEOUT_S:-90}")
+  if "$PY" -c "import xdist" 2>/dev/null && [ "$(nproc)" -ge 8 ]; then pytest_args+=(-n "${TEST_WORKERS:-4}"); fi
   # The launch code against the stand-in runtime: the same rules the real launches below must pass.
   phase test-cuda-launch 60 ctest --test-dir "${FASTMHA_BUILD_DIR:-build-gpu}" -R "cuda launch:" --output-on-failure
-  phase test-cuda-kernels 240 "$PY" -m pytest -q -p no:cacheprovider tests/python/test_cuda_kernels.py \
+  phase test-cuda-kernels 240 "$PY" -m pytest "${pytest_args[@]}" tests/python/test_cuda_kernels.py \
     --junitxml="$OUT/test-cuda-kernels.xml"
   # Every other test parameterized by device, on its CUDA cases (opcheck, gradients, module, causal, ...).
   if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    phase test-device-cuda 180 "$PY" -m pytest -q -p no:cacheprovider tests/python -k cuda \
+    phase test-device-cuda 180 "$PY" -m pytest "${pytest_args[@]}" tests/python -k cuda \
       --ignore tests/python/test_cuda_kernels.py --junitxml="$OUT/test-device-cuda.xml"
   else
     echo "test-device-cuda: no CUDA device, skipped" | tee -a "$OUT/summary.txt"
