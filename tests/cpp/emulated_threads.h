@@ -141,6 +141,19 @@ struct EmulatedThreads {
   int warp() const { return id / 32; }
   int lane() const { return id % 32; }
   void sync() const { block->sync(); }
+  // Through the staging slots between two barriers, as warp_all_reduce.
+  bool sync_or(bool predicate) const {
+    auto& staging = block->staging();
+    staging[id] = predicate ? 1.0 : 0.0;
+    block->sync();
+    bool any = false;
+    for (int t = 0; t < kThreads; ++t) any = any || staging[t] != 0.0;
+    block->sync();
+    return any;
+  }
+  // A barrier of the whole block, stronger than the GPU's warp barrier: the kernel bodies call it where every
+  // thread does, as warp_all_reduce (a call in one warp only fails the barrier count check).
+  void warp_sync() const { block->sync(); }
 
   // The warp's lanes exchange through the block's staging slots between two barriers, so every thread of
   // the block must call it alike (the kernel bodies do: their warp reductions sit in uniform loops).

@@ -32,6 +32,10 @@ struct DeviceThreads {
   __device__ __forceinline__ int warp() const { return static_cast<int>(threadIdx.x) / 32; }
   __device__ __forceinline__ int lane() const { return static_cast<int>(threadIdx.x) % 32; }
   __device__ __forceinline__ void sync() const { __syncthreads(); }
+  // A barrier of the block that also tells whether `predicate` held in any of its threads.
+  __device__ __forceinline__ bool sync_or(bool predicate) const { return __syncthreads_or(predicate) != 0; }
+  // Orders the calling warp's shared-memory accesses before the call against those after it (shuffles do not).
+  __device__ __forceinline__ void warp_sync() const { __syncwarp(); }
 
   // op over the 32 lanes of the calling warp (a butterfly of shuffles), the result in every lane.
   template <typename A, typename Op>

@@ -20,7 +20,7 @@ struct BackwardTiles {
     return 2 * align128(size_t(bm) * kLd * sizeof(T)) + 2 * align128(size_t(bn) * kLd * sizeof(T)) +
            align128(scores > dq ? scores : dq) + align128(scores) +
            2 * align128(size_t(bm) * (bn + operand_pad<T>()) * sizeof(T)) +
-           2 * align128(size_t(bn) * kLdAcc * sizeof(Acc)) + 2 * align128(bm * sizeof(Acc)) + align128(sizeof(int));
+           2 * align128(size_t(bn) * kLdAcc * sizeof(Acc)) + 2 * align128(bm * sizeof(Acc));
   }
   // The widest key block that fits with the smallest query block, then the tallest query block beside it.
   static constexpr int kCols = largest_fitting([](int bn) { return bytes(bn, smallest_tile<T>()); });
@@ -40,7 +40,6 @@ struct BackwardShared {
   T *w, *ds;    // P Z and dS, operands of the products
   Acc *grad_k, *grad_v;
   Acc *lse, *delta;
-  int* needed;
 
   FASTMHA_DEVICE static BackwardShared carve(char* smem) {
     constexpr int BM = Tiles::kRows, BN = Tiles::kCols;
@@ -58,7 +57,6 @@ struct BackwardShared {
     s.grad_v = c.take<Acc>(BN * Tiles::kLdAcc);
     s.lse = c.take<Acc>(BM);
     s.delta = c.take<Acc>(BM);
-    s.needed = c.take<int>(1);
     return s;
   }
 };
@@ -147,22 +145,17 @@ FASTMHA_DEVICE void flash_backward_block(const Ctx& ctx, const AttentionParams<T
   for (int mb = 0; mb < query_blocks; ++mb) {
     const int q0 = mb * BM;
     ctx.sync();
-    if (ctx.thread() == 0) {
-      // Causal: rows above this key block see none of its keys, unless they are masked everywhere
-      // (uniform over all keys, so they still feed dV).
-      *sh.needed = !p.is_causal || q0 + BM - 1 >= k0;
-    }
-    ctx.sync();
+    bool uniform_row = false;
     for (int r = ctx.thread(); r < BM; r += Ctx::kThreads) {
       const bool exists = q0 + r < p.len_q;
       sh.lse[r] = exists ? lse[q0 + r] : Acc(0);
       sh.delta[r] = exists ? delta[q0 + r] : Acc(0);
-      if (exists && masked_everywhere(sh.lse[r])) {
-        *sh.needed = 1;
-      }
+      uniform_row = uniform_row || (exists && masked_everywhere(sh.lse[r]));
     }
-    ctx.sync();
-    if (*sh.needed != 0) {
+    // Causal: rows above this key block see none of its keys, unless they are masked everywhere (uniform
+    // over all keys, so they still feed dV). The barrier also publishes lse and delta.
+    const bool any_uniform_row = ctx.sync_or(uniform_row);
+    if (!p.is_causal || q0 + BM - 1 >= k0 || any_uniform_row) {
       backward_query_block<T, Acc, DP>(ctx, p, sh, bh, q0, k0, mask, seed, offset);
     }
   }

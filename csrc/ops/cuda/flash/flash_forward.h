@@ -32,8 +32,7 @@ struct ForwardTiles {
     return align128(size_t(bm) * kLd * sizeof(T)) + 2 * align128(size_t(bn) * kLd * sizeof(T)) +
            align128(size_t(bm) * (bn + accumulator_pad<T>()) * sizeof(Acc)) +
            align128(size_t(bm) * (bn + operand_pad<T>()) * sizeof(T)) +
-           align128(size_t(bm) * (DP + accumulator_pad<T>()) * sizeof(Acc)) + 3 * align128(bm * sizeof(Acc)) +
-           align128(sizeof(int));
+           align128(size_t(bm) * (DP + accumulator_pad<T>()) * sizeof(Acc)) + 3 * align128(bm * sizeof(Acc));
   }
   // The tallest query block that fits (it cuts the K/V traffic), then the widest key block beside it.
   static constexpr int kRows = largest_fitting([](int bm) { return bytes(bm, smallest_tile<T>()); });
@@ -53,7 +52,6 @@ struct ForwardShared {
   T* p;    // exp(s - m) times the dropout multipliers, the operand of P @ V
   Acc* o;  // unnormalised output
   Acc *m, *l, *alpha;
-  int* any_fully_masked;
 
   FASTMHA_DEVICE static ForwardShared carve(char* smem) {
     SharedCarver c{smem};
@@ -67,7 +65,6 @@ struct ForwardShared {
     s.m = c.take<Acc>(Tiles::kRows);
     s.l = c.take<Acc>(Tiles::kRows);
     s.alpha = c.take<Acc>(Tiles::kRows);
-    s.any_fully_masked = c.take<int>(1);
     return s;
   }
 };
@@ -131,6 +128,7 @@ FASTMHA_DEVICE void forward_key_block(const Ctx& ctx, const AttentionParams<T, A
       }
     }
     const Acc sum = ctx.warp_all_reduce(local_sum, SumOp{});
+    ctx.warp_sync();  // every lane has read m_old before lane 0 replaces it
     if (lane == 0) {
       const Acc alpha = exp_acc(m_old - m_new);  // 0 on the first block (m_old = -inf)
       sh.alpha[r] = alpha;
@@ -178,16 +176,8 @@ FASTMHA_DEVICE void flash_forward_block(const Ctx& ctx, const AttentionParams<T,
     // A row masked everywhere so far (a padding mask on top of causal) is uniform over *all* keys: let it
     // see the skipped blocks too. For every other row they add exp(-1e9 - m) = 0.
     ctx.sync();
-    if (ctx.thread() == 0) {
-      *sh.any_fully_masked = 0;
-    }
-    ctx.sync();
     const int r = ctx.thread();
-    if (r < BM && q0 + r < p.len_q && sh.m[r] < Acc(kMaskedScore / 2)) {
-      *sh.any_fully_masked = 1;
-    }
-    ctx.sync();
-    if (*sh.any_fully_masked != 0) {
+    if (ctx.sync_or(r < BM && q0 + r < p.len_q && sh.m[r] < Acc(kMaskedScore / 2))) {
       for (int nb = visible; nb < key_blocks; ++nb) {
         forward_key_block<T, Acc, DP>(ctx, p, sh, bh, q0, nb * BN, mask, seed, offset);
       }
