@@ -1,15 +1,48 @@
 """Small calls through every fastmha CUDA kernel, for compute-sanitizer (memcheck, racecheck, synccheck).
 
 Both paths (flash and weights kept), forward and backward, every dtype and padded head size, with a mask
-that has fully masked rows, is_causal, dropout and lengths that end mid-tile. Exits non-zero on a wrong
-result (against the CPU kernels), so a sanitizer run also checks the numbers.
+that has fully masked rows, is_causal, dropout and lengths that end mid-tile, in inputs both contiguous and
+transposed (a (B, L, H, d) tensor viewed as (B, H, L, d), which takes the element-wise loads). The calls run
+twice: with FASTMHA_CUDA_KERNELS=own, which sends every call without kept weights to fastmha's flash kernels,
+and with the default choice. Exits non-zero on a wrong result (against the CPU kernels), so a sanitizer run
+also checks the numbers.
 """
 
+import os
 import sys
 
 import torch
 
 import fastmha  # noqa: F401
+
+
+def cuda_input(x, transposed):
+    """x on the GPU, requiring grad; transposed: the same values in a (B, L, H, d) tensor's strides."""
+    if transposed:
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    return x.cuda().requires_grad_(True)
+
+
+def check(dtype, d_k, d_v, need_weights, is_causal, p, transposed, mode):
+    """One forward and backward on the GPU; without dropout its output against the CPU kernels in float64."""
+    q = torch.randn(1, 2, 67, d_k, dtype=dtype)
+    k = torch.randn(1, 2, 45, d_k, dtype=dtype)
+    v = torch.randn(1, 2, 45, d_v, dtype=dtype)
+    mask = torch.rand(1, 1, 67, 45) > 0.3
+    mask[..., 2, :] = False
+    args = [cuda_input(x, transposed) for x in (q, k, v)]
+    out, _ = torch.ops.fastmha.attention(*args, mask.cuda(), p, need_weights, is_causal)
+    out.float().sum().backward()
+    torch.cuda.synchronize()
+    if p > 0.0:
+        return True
+    ref, _ = torch.ops.fastmha.attention(q.double(), k.double(), v.double(), mask, 0.0, False, is_causal)
+    error = (out.double().cpu() - ref).abs().max().item()
+    if error < 5e-2:
+        return True
+    print(f"cuda_smoke: FASTMHA_CUDA_KERNELS={mode} {dtype} d_k={d_k} d_v={d_v} weights={need_weights} "
+          f"causal={is_causal} transposed={transposed}: max error {error}")
+    return False
 
 
 def main():
@@ -18,27 +51,14 @@ def main():
         return 0
     torch.manual_seed(0)
     failures = 0
-    for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
-        for d_k, d_v in ((16, 16), (100, 72), (200, 256)):
-            for need_weights in (False, True):
-                for is_causal, p in ((False, 0.0), (True, 0.0), (False, 0.2)):
-                    q = torch.randn(1, 2, 67, d_k, dtype=dtype)
-                    k = torch.randn(1, 2, 45, d_k, dtype=dtype)
-                    v = torch.randn(1, 2, 45, d_v, dtype=dtype)
-                    mask = torch.rand(1, 1, 67, 45) > 0.3
-                    mask[..., 2, :] = False
-                    args = [x.cuda().requires_grad_(True) for x in (q, k, v)]
-                    out, _ = torch.ops.fastmha.attention(*args, mask.cuda(), p, need_weights, is_causal)
-                    out.float().sum().backward()
-                    torch.cuda.synchronize()
-                    if p == 0.0:
-                        ref, _ = torch.ops.fastmha.attention(q.double(), k.double(), v.double(), mask, 0.0, False,
-                                                             is_causal)
-                        error = (out.double().cpu() - ref).abs().max().item()
-                        if not error < 5e-2:
-                            print(f"cuda_smoke: {dtype} d_k={d_k} d_v={d_v} weights={need_weights} "
-                                  f"causal={is_causal}: max error {error}")
-                            failures += 1
+    for mode in ("own", "auto"):
+        os.environ["FASTMHA_CUDA_KERNELS"] = mode  # read at every call
+        for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+            for d_k, d_v in ((16, 16), (100, 72), (200, 256)):
+                for need_weights in (False, True):
+                    for is_causal, p in ((False, 0.0), (True, 0.0), (False, 0.2)):
+                        transposed = d_k == 16 and not is_causal
+                        failures += not check(dtype, d_k, d_v, need_weights, is_causal, p, transposed, mode)
     print(f"cuda_smoke: done, {failures} wrong results")
     return 1 if failures else 0
 
