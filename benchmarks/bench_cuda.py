@@ -154,7 +154,7 @@ def flops(batch, heads, length, d, is_causal, mode):
     return forward if mode == "fwd" else 3.5 * forward
 
 
-def run(args, device, dtype):
+def run(args, device, dtype, on_row):
     clock = Clock(device)
     rows = []
     for d in args.head_dims:
@@ -186,6 +186,7 @@ def run(args, device, dtype):
                         row[f"speedup_vs_{peer}"] = row[f"ms_{peer}"] / row["ms_fastmha"]
                     row["speedup_w_vs_oracle"] = row["ms_oracle"] / row["ms_fastmha_w"]
                     rows.append(row)
+                    on_row(rows)
                     print(f"d{d} L{length} B{batch} H{heads} {case} {mode}: fastmha {row['tflops_fastmha']:.1f} "
                           f"TFLOP/s | vs sdpa({row['sdpa_backend']}) {row['speedup_vs_sdpa']:.2f}x | vs flash "
                           f"{row['speedup_vs_sdpa_flash']:.2f}x | vs efficient {row['speedup_vs_sdpa_efficient']:.2f}x"
@@ -251,15 +252,18 @@ def main():
             "build": fastmha.build_info, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "smoke": args.smoke}
     print(json.dumps(meta))
-    rows = run(args, device, dtype)
     stamp = f"{device.type}-{meta['date']}-{args.dtype}" + ("-smoke" if args.smoke else "")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{stamp}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    with open(args.out / f"{stamp}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    (args.out / f"{stamp}.md").write_text(markdown(rows) + "\n")
+
+    def save(rows):  # after every row, so that a run stopped at a time limit keeps the rows it measured
+        (args.out / f"{stamp}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        with open(args.out / f"{stamp}.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        (args.out / f"{stamp}.md").write_text(markdown(rows) + "\n")
+
+    rows = run(args, device, dtype, save)
     plot(rows, args.out / f"{stamp}.png", f"fastmha {meta['fastmha']} | torch {meta['torch']} | {meta['device']} | "
          f"{args.dtype} | {meta['date']}")
     print(markdown(rows))
