@@ -20,6 +20,7 @@ B = 16384 / L and H = 2048 / d (16k tokens of width 2048), as FlashAttention's b
 import argparse
 import csv
 import datetime
+import io
 import json
 import math
 import os
@@ -256,12 +257,16 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
 
     def save(rows):  # after every row, so that a run stopped at a time limit keeps the rows it measured
-        (args.out / f"{stamp}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        with open(args.out / f"{stamp}.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-        (args.out / f"{stamp}.md").write_text(markdown(rows) + "\n")
+        table = io.StringIO()
+        writer = csv.DictWriter(table, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+        files = {"json": json.dumps({"meta": meta, "rows": rows}, indent=1), "csv": table.getvalue(),
+                 "md": markdown(rows) + "\n"}
+        for suffix, text in files.items():  # whole files only: written aside, then renamed
+            path = args.out / f"{stamp}.{suffix}"
+            path.with_suffix(".tmp").write_text(text)
+            os.replace(path.with_suffix(".tmp"), path)
 
     rows = run(args, device, dtype, save)
     plot(rows, args.out / f"{stamp}.png", f"fastmha {meta['fastmha']} | torch {meta['torch']} | {meta['device']} | "

@@ -40,7 +40,8 @@ phase() {  # phase NAME LIMIT_SECONDS COMMAND...; LIMIT_<NAME> (dashes as unders
     status=1
     return
   fi
-  [ "$limit" -gt "$left" ] && limit=$left
+  # A limit must be a whole number of seconds above 0 (timeout takes 0 as none); anything else gets what is left.
+  [[ $limit =~ ^[0-9]+$ ]] && [ "$limit" -gt 0 ] && [ "$limit" -le "$left" ] || limit=$left
   local start=$SECONDS
   echo "== $name (limit ${limit}s)"
   timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
@@ -51,7 +52,9 @@ phase() {  # phase NAME LIMIT_SECONDS COMMAND...; LIMIT_<NAME> (dashes as unders
   pack
 }
 # Refreshed after every phase, so that a check cut short still leaves what it found in the archive.
-pack() { [ -z "${ARCHIVE:-}" ] || tar czf "$ARCHIVE" -C "$(dirname "$OUT")" "$(basename "$OUT")"; }
+pack() {
+  [ -z "${ARCHIVE:-}" ] || tar czf "$ARCHIVE" -C "$(dirname "$OUT")" "$(basename "$OUT")" || echo "pack: tar failed"
+}
 wants() { [[ ",$PHASES," == *",$1,"* ]]; }
 has_gpu() { "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; }
 
@@ -73,25 +76,33 @@ build() {
   if ! "$PY" -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)" 2>/dev/null; then
     note "build: setuptools >= 77 is needed; install it first (pip install 'setuptools>=77')"
   fi
-  # 300 s is meant for a GPU machine's many cores; a dry run on 2 cores took about 10 minutes (BUILD_LIMIT_S=1200).
-  phase build "${BUILD_LIMIT_S:-300}" env TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$local_arch}" \
+  # 300 s is meant for a GPU machine's many cores; a dry run on 2 cores took about 10 minutes
+  # (BUDGET_S=1500 LIMIT_build=1200).
+  phase build 300 env TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$local_arch}" \
     MAX_JOBS="${MAX_JOBS:-$(nproc)}" FASTMHA_BUILD_DIR="$BUILD_DIR" \
     "$PY" -m pip install --no-build-isolation --no-deps -e .
   "$PY" -c "import fastmha; print(fastmha.build_info)" 2>&1 | tail -n 1 | tee -a "$OUT/summary.txt"
 }
 
 tests() {
-  # Where the plugins are there: a time limit per test (a hang costs one test, not the phase) and, on a machine
-  # with many cores, a few test processes sharing the GPU.
+  # Where the plugins are there: a time limit per test, so that a hang costs one test rather than the phase, and
+  # on a machine with many cores a few test processes sharing the GPU.
   local pytest_args=(-q -p no:cacheprovider -rfE)
-  "$PY" -c "import pytest_timeout" 2>/dev/null && pytest_args+=(--timeout="${TEST_TIMEOUT_S:-90}")
-  if "$PY" -c "import xdist" 2>/dev/null && [ "$(nproc)" -ge 8 ]; then pytest_args+=(-n "${TEST_WORKERS:-4}"); fi
+  local timeout_method=signal
+  if "$PY" -c "import xdist" 2>/dev/null && [ "$(nproc)" -ge 8 ]; then
+    pytest_args+=(-n "${TEST_WORKERS:-4}")
+    # A test stuck in a CUDA call never returns to Python for the signal; the thread method ends its process,
+    # which xdist replaces.
+    timeout_method=thread
+  fi
+  "$PY" -c "import pytest_timeout" 2>/dev/null &&
+    pytest_args+=(--timeout="${TEST_TIMEOUT_S:-90}" --timeout-method="$timeout_method")
   # The launch code against the stand-in runtime: the same rules the real launches below must pass. Built with
   # the C++ tests, which need Catch2.
   if [ -d "$BUILD_DIR/tests/cuda_launch" ]; then
     phase test-cuda-launch 60 ctest --test-dir "$BUILD_DIR" -R "cuda launch:" --output-on-failure --no-tests=error
   else
-    note "test-cuda-launch: skipped, the build has no C++ tests (Catch2 not found)"
+    note "test-cuda-launch: skipped, no $BUILD_DIR/tests/cuda_launch (no Catch2, no CUDA, or no build)"
   fi
   phase test-cuda-kernels 150 "$PY" -m pytest "${pytest_args[@]}" tests/python/test_cuda_kernels.py \
     --junitxml="$OUT/test-cuda-kernels.xml"
@@ -116,8 +127,8 @@ sanitize() {  # sanitize TOOL LIMIT_SECONDS
   if [ "$sanitizer_probed" = 0 ]; then
     sanitizer_probed=1
     sanitizer_filter=(--kernel-name kns=fastmha)
-    if ! compute-sanitizer "${sanitizer_filter[@]}" true >/dev/null 2>&1; then
-      note "sanitize: this compute-sanitizer takes no --kernel-name filter; every kernel is checked"
+    if ! timeout 30 compute-sanitizer "${sanitizer_filter[@]}" true >"$OUT/sanitize-probe.log" 2>&1; then
+      note "sanitize: compute-sanitizer refused --kernel-name (sanitize-probe.log); every kernel is checked"
       sanitizer_filter=()
     fi
   fi

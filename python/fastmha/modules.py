@@ -569,8 +569,8 @@ class MultiHeadAttentionBlock(nn.Module):
         (broadcastable to (batch, h, T_new, T_past + T_new)) is not 0. Returns (output, new cache). Stepping
         through a sequence gives the same outputs as ``forward`` with a causal mask, with O(T_new) projections
         per step (except for a position whose every visible key is masked: the full computation spreads it
-        uniformly over all positions, future ones included, which a step cannot see). ``attention_scores`` is
-        left as it was.
+        uniformly over all positions, future ones included, a step over the cached positions and the new ones
+        of its call). ``attention_scores`` is left as it was.
         """
         if x is None:  # as in forward
             raise RuntimeError("fastmha: x must be a tensor, got None")

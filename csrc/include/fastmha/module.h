@@ -84,7 +84,8 @@ class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImp
   /// itself, where mask (broadcastable to (batch, heads, T_new, T_past + T_new)) is not 0. Returns the output
   /// (batch, T_new, d_model) and the new cache (pass it back as is, or std::make_pair(keys, values));
   /// attention_scores() is left as it was. The outputs equal forward's with a causal mask, except for a position
-  /// that sees no key: forward spreads it over every position, future ones too, a step over those it sees.
+  /// that sees no key: forward spreads it over every position of the sequence, a step over the cached positions
+  /// and the new ones of its call.
   std::pair<at::Tensor, std::pair<at::Tensor, at::Tensor>> forward_step(
       const at::Tensor& x, const std::optional<std::pair<at::Tensor, at::Tensor>>& cache = std::nullopt,
       const at::Tensor& mask = {});

@@ -175,6 +175,7 @@ FASTMHA_DEVICE void flash_forward_block(const Ctx& ctx, const AttentionParams<T,
   if (visible < key_blocks) {
     // A row masked everywhere so far (a padding mask on top of causal) is uniform over *all* keys: let it
     // see the skipped blocks too. For every other row they add exp(-1e9 - m) = 0.
+    static_assert(BM <= Ctx::kThreads, "one thread per row asks");
     ctx.sync();
     const int r = ctx.thread();
     if (ctx.sync_or(r < BM && q0 + r < p.len_q && sh.m[r] < Acc(kMaskedScore / 2))) {
