@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,29 @@ def test_bench_compile_quick_run(tmp_path):
     assert rows[0]["ratios"]["compiled_kept"] == pytest.approx(rows[0]["ms"]["oracle_compiled"]
                                                                / rows[0]["ms"]["kept_compiled"], abs=0.01)
     assert "| train | 2 | 16 |" in out.with_suffix(".md").read_text()
+
+
+def run_gpu_check(tmp_path, **env):
+    """scripts/gpu_check.sh's dry run (no GPU here) on the benchmark phase, with this Python."""
+    out = tmp_path / "check"
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out)],
+                            env={**os.environ, "PYTHON": sys.executable, "PHASES": "bench", **env},
+                            capture_output=True, text=True, timeout=300)
+    return result, out
+
+
+def test_gpu_check_dry_run_packs_its_results_into_the_archive(tmp_path):
+    result, out = run_gpu_check(tmp_path, ARCHIVE=str(tmp_path / "check.tar.gz"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "bench-core-smoke: rc=0" in (out / "summary.txt").read_text()
+    with tarfile.open(tmp_path / "check.tar.gz") as archive:
+        names = archive.getnames()
+    assert "check/summary.txt" in names and "check/environment.txt" in names
+    assert any(name.startswith("check/bench/") and name.endswith(".md") for name in names)
+
+
+def test_gpu_check_skips_a_phase_past_its_budget_and_fails(tmp_path):
+    result, out = run_gpu_check(tmp_path, BUDGET_S="5")
+    assert result.returncode != 0
+    summary = (out / "summary.txt").read_text()
+    assert "bench-core-smoke: skipped" in summary and "rc=" not in summary
