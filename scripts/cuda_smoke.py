@@ -5,8 +5,8 @@ that has fully masked rows, is_causal, dropout and lengths that end mid-tile, in
 transposed (a (B, L, H, d) tensor viewed as (B, H, L, d), which takes the element-wise loads). The calls run
 twice: with FASTMHA_CUDA_KERNELS=own, which sends every call without kept weights to fastmha's flash kernels,
 then with the default choice for the calls it routes elsewhere and that still run a fastmha kernel (dropout
-without kept weights: the ATen composite draws through fastmha's dropout kernel). Exits non-zero on a wrong result (against the CPU kernels), so a sanitizer run
-also checks the numbers.
+without kept weights: the ATen composite draws through fastmha's dropout kernel). Exits non-zero on a wrong
+result (against the CPU kernels), so a sanitizer run also checks the numbers.
 """
 
 import os

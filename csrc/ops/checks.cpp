@@ -33,6 +33,12 @@ void check_defined(const at::Tensor& t, const char* name) {
 
 }  // namespace
 
+void check_given_defined(const std::optional<at::Tensor>& t, const char* name) {
+  if (t.has_value()) {
+    check_defined(*t, name);
+  }
+}
+
 void check_dense_attention_args(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                 const std::optional<at::Tensor>& mask) {
   check_defined(query, "query");

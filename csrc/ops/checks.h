@@ -13,6 +13,9 @@ namespace fastmha {
 // ask it first, since a tensor of another layout would otherwise meet the dispatcher's "could not run" error.
 void check_dense(const at::Tensor& t, const char* name);
 void check_dense(const std::optional<at::Tensor>& t, const char* name);
+// An optional tensor argument, when given, must be defined (a C++ caller's undefined tensor is Python's None, which
+// the argument would take as not given) and dense.
+void check_given_defined(const std::optional<at::Tensor>& t, const char* name);
 // The attention core's query, key and value given (not None) and dense, and the mask dense: asked by the kernels
 // that run before any backend's (autograd, and the composite ones that inference mode reaches; those are also
 // registered for nested tensors, which have no backend kernel to name them).

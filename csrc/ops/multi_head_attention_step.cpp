@@ -22,14 +22,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> multi_head_attention_step_impl(
     const std::optional<at::Tensor>& mask, double dropout_p) {
   TORCH_CHECK(key_cache.has_value() == value_cache.has_value(),
               "fastmha: key_cache and value_cache must be given together");
-  // C++ callers may pass an undefined tensor where Python passes None: named, as a required tensor is.
-  TORCH_CHECK(!key_cache.has_value() || key_cache->defined(),
-              "fastmha: key_cache must be a tensor, got None (an undefined tensor)");
-  TORCH_CHECK(!value_cache.has_value() || value_cache->defined(),
-              "fastmha: value_cache must be a tensor, got None (an undefined tensor)");
   check_dense(x, "x");
-  check_dense(key_cache, "key_cache");
-  check_dense(value_cache, "value_cache");  // the mask's check comes with its shape's, below
+  check_given_defined(key_cache, "key_cache");
+  check_given_defined(value_cache, "value_cache");  // the mask's check comes with its shape's, below
   check_block_inputs(x, x, x, w_q, w_k, w_v, w_o, num_heads, std::nullopt, dropout_p, "x");
   auto keys = split_heads(widened_linear(x, w_k), num_heads);
   auto values = split_heads(widened_linear(x, w_v), num_heads);

@@ -58,8 +58,7 @@ struct MultiHeadAttentionOptions {
   TORCH_ARG(int64_t, heads);
   /// Dropout probability on the attention weights, in training mode only, in [0, 1] (1 drops every weight). It
   /// initialises the module's `dropout` submodule, which forward and forward_step read (its p and training mode),
-  /// as in Python:
-  /// change it later through `dropout->options.p()`.
+  /// as in Python: change it later through `dropout->options.p()`.
   TORCH_ARG(double, dropout) = 0.0;
   /// Keep the attention weights after each forward (attention_scores()); false saves their memory.
   TORCH_ARG(bool, need_weights) = true;
