@@ -200,7 +200,11 @@ KernelChoice choose_cuda(const AttentionCall& call) {
   std::string why;
   const auto backend = stock::cuda_backend(call.query, call.key, call.value, call.mask, call.is_causal, &why);
   if (backend.has_value()) {
-    return {K::kStockCuda, "no kept weights or dropout: SDPA's fused kernel for this call", backend};
+    static const char* const names[] = {"", "flash", "memory-efficient", "cuDNN"};
+    return {K::kStockCuda,
+            std::string("no kept weights or dropout: SDPA's fused ") + names[static_cast<int>(*backend)] +
+                " kernel for this call",
+            backend};
   }
   return {K::kAten, why};
 }

@@ -102,7 +102,29 @@ at::Tensor efficient_bias(const at::Tensor& bias, const at::Tensor& query, const
 // The memory-efficient kernel's log-sum-exp has rows padded to a multiple of 32.
 constexpr int64_t kEfficientLseAlign = 32;
 
+// The memory-efficient backward gets the output and its gradient in the (B, Lq, H, d) memory its forward writes,
+// as torch's own SDPA hands them over: its kernel may take the output's row stride from the shapes.
+at::Tensor efficient_layout(const at::Tensor& t) { return t.transpose(1, 2).contiguous().transpose(1, 2); }
+
+// fastmha's call of the memory-efficient backward returned wrong query gradients in half types for a masked call
+// with 300 queries and a single key (torch 2.11, H200), where torch's own SDPA call of it was right. The output's
+// layout is the suspect (efficient_layout above); until a GPU run proves the kernel there, calls with fewer keys
+// than its key tile run the ATen composite, whose Lq x Lk scores are then no larger than the output.
+constexpr int64_t kEfficientMinKeys = 64;
+
+CudaBackendUsable& backend_usable() {
+  static CudaBackendUsable usable = nullptr;
+  return usable;
+}
+
+// cuDNN's log-sum-exp is (B, H, Lq, 1); the op's is (B, H, Lq).
+at::Tensor op_lse_shape(const at::Tensor& lse, const at::Tensor& query) {
+  return lse.reshape({query.size(0), query.size(1), query.size(2)});
+}
+
 }  // namespace
+
+void set_cuda_backend_usable(CudaBackendUsable usable) { backend_usable() = usable; }
 
 std::optional<CudaBackend> cuda_backend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                         const std::optional<at::Tensor>& mask, bool is_causal, std::string* why) {
@@ -113,16 +135,36 @@ std::optional<CudaBackend> cuda_backend(const at::Tensor& query, const at::Tenso
     bias_like =
         at::empty({1, 1, 1, 1}, query.options()).expand({query.size(0), query.size(1), query.size(2), key.size(2)});
   }
-  const int64_t choice =
-      at::_fused_sdp_choice(query, key, value, bias_like, 0.0, is_causal && !mask.has_value(), softmax_scale(query));
+  const bool causal_flag = is_causal && !mask.has_value();
+  const int64_t choice = at::_fused_sdp_choice(query, key, value, bias_like, 0.0, causal_flag, softmax_scale(query));
+  const auto usable = [&](CudaBackend backend) {
+    const auto provider = backend_usable();
+    return provider != nullptr && provider(backend, query, key, value, bias_like, causal_flag);
+  };
+  std::optional<CudaBackend> pick;
   if (choice == static_cast<int64_t>(CudaBackend::kFlash) || choice == static_cast<int64_t>(CudaBackend::kEfficient)) {
-    return static_cast<CudaBackend>(choice);
+    pick = static_cast<CudaBackend>(choice);
+  } else if (choice == static_cast<int64_t>(CudaBackend::kCudnn)) {
+    if (!mask.has_value() && (!is_causal || query.size(2) == key.size(2))) {
+      pick = CudaBackend::kCudnn;
+    } else if (usable(CudaBackend::kFlash)) {
+      pick = CudaBackend::kFlash;
+    } else if (usable(CudaBackend::kEfficient)) {
+      pick = CudaBackend::kEfficient;
+    }
   }
-  if (why != nullptr) {
-    *why = "SDPA would run backend " + std::to_string(choice) +
-           " (not flash or memory-efficient) for this call; the layer wraps those two only";
+  if (pick == CudaBackend::kEfficient && key.size(2) < kEfficientMinKeys) {
+    if (why != nullptr) {
+      *why = "fewer than " + std::to_string(kEfficientMinKeys) +
+             " keys: the memory-efficient kernel is not used there, and the ATen composite's scores are small";
+    }
+    return std::nullopt;
   }
-  return std::nullopt;
+  if (!pick.has_value() && why != nullptr) {
+    *why = "SDPA would run backend " + std::to_string(choice) + " for this call, which the layer does not wrap " +
+           (mask.has_value() ? "with a mask" : "here") + ", and no other fused kernel takes it";
+  }
+  return pick;
 }
 
 detail::AttentionForwardResult attention_forward(const at::Tensor& query, const at::Tensor& user_key,
@@ -140,6 +182,12 @@ detail::AttentionForwardResult attention_forward(const at::Tensor& query, const 
     auto result = at::_scaled_dot_product_flash_attention(p.query, key, value, 0.0, p.is_causal, false, scale);
     output = std::get<0>(result);
     logsumexp = std::get<1>(result);
+  } else if (*cuda == CudaBackend::kCudnn) {
+    TORCH_INTERNAL_ASSERT(!p.bias.has_value(), "the layer passes cuDNN no bias");
+    auto result = at::_scaled_dot_product_cudnn_attention(p.query, key, value, std::nullopt,
+                                                          /*compute_log_sumexp=*/true, 0.0, p.is_causal, false, scale);
+    output = std::get<0>(result);
+    logsumexp = op_lse_shape(std::get<1>(result), query);
   } else {
     const auto bias = p.bias.has_value() ? std::optional(efficient_bias(*p.bias, query, key)) : std::nullopt;
     auto result = at::_scaled_dot_product_efficient_attention(p.query, key, value, bias, true, 0.0, p.is_causal, scale);
@@ -173,14 +221,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
       std::tie(grad_q, grad_k, grad_v) = at::_scaled_dot_product_flash_attention_backward(
           grad_out, p.query, key, value, output, logsumexp, at::Tensor(), at::Tensor(), query.size(2), key.size(2), 0.0,
           p.is_causal, unused_seed, unused_seed, scale);
+    } else if (*cuda == CudaBackend::kCudnn) {
+      // cuDNN is handed the output's gradient in the output's own layout.
+      const auto grad_like_out =
+          grad_out.strides() == output.strides() ? grad_out : at::empty_like(output).copy_(grad_out);
+      const auto lse = logsumexp.reshape({query.size(0), query.size(1), query.size(2), 1}).contiguous();
+      std::tie(grad_q, grad_k, grad_v) = at::_scaled_dot_product_cudnn_attention_backward(
+          grad_like_out, p.query, key, value, output, lse, unused_seed, unused_seed, at::Tensor(), at::Tensor(),
+          at::Tensor(), query.size(2), key.size(2), 0.0, p.is_causal, scale);
     } else {
       const int64_t len_q = query.size(2);
       const int64_t padded = (len_q + kEfficientLseAlign - 1) / kEfficientLseAlign * kEfficientLseAlign;
       const auto lse = at::constant_pad_nd(logsumexp, {0, padded - len_q});
       const auto bias = p.bias.has_value() ? efficient_bias(*p.bias, query, key) : at::Tensor();
-      auto grads = at::_scaled_dot_product_efficient_attention_backward(grad_out, p.query, key, value, bias, output,
-                                                                        lse, unused_seed, unused_seed, 0.0,
-                                                                        {true, true, true, false}, p.is_causal, scale);
+      auto grads = at::_scaled_dot_product_efficient_attention_backward(
+          efficient_layout(grad_out), p.query, key, value, bias, efficient_layout(output), lse, unused_seed,
+          unused_seed, 0.0, {true, true, true, false}, p.is_causal, scale);
       grad_q = std::get<0>(grads);
       grad_k = std::get<1>(grads);
       grad_v = std::get<2>(grads);
