@@ -156,7 +156,7 @@ wants build && build
 wants test && tests
 wants sanitize && sanitize memcheck 90
 wants bench && bench_core
-wants sanitize && sanitize racecheck 60
+wants sanitize && sanitize racecheck 150
 wants sanitize && sanitize synccheck 45
 wants bench && bench_block
 echo "gpu_check: $([ $status = 0 ] && echo all phases passed || echo some phase FAILED), results in $OUT"
