@@ -1,7 +1,7 @@
 """fastmha's CUDA paths against the float64 oracle (skipped without a CUDA device).
 
 Every test runs twice: with the default kernel choice (SDPA's fused kernels behind the contract layer for
-need_weights=False without dropout, fastmha's row kernels for kept weights, the ATen composite for dropout)
+need_weights=False without dropout, fastmha's row kernels for kept weights, its flash kernels for dropout)
 and with FASTMHA_CUDA_KERNELS=own (fastmha's flash kernels for need_weights=False). Forward and
 backward, across every padded head size (64/128/256, d_v != d_k), lengths around the tile edges, broadcast
 masks of several dtypes with fully masked rows, is_causal with block skipping, dropout (reproducible, shared
