@@ -217,7 +217,9 @@ KernelChoice choose_cuda(const AttentionCall& call) {
             "Lq x Lk buffer"};
   }
   std::string why;
-  const auto backend = stock::cuda_backend(call.query, call.key, call.value, call.mask, call.is_causal, &why);
+  const bool training = call.pass == Pass::kBackward || call.query.requires_grad() || call.key.requires_grad() ||
+                        call.value.requires_grad();
+  const auto backend = stock::cuda_backend(call.query, call.key, call.value, call.mask, call.is_causal, training, &why);
   if (backend.has_value()) {
     static const char* const names[] = {"", "flash", "memory-efficient", "cuDNN"};
     return {K::kStockCuda,
@@ -228,9 +230,10 @@ KernelChoice choose_cuda(const AttentionCall& call) {
   // On an H200 in bf16 (1024-16384 keys, no mask) fastmha's flash kernels ran the forward 1.3-1.9x the
   // composite's speed (2.5-4.3x with is_causal), forward and backward 1.1-1.4x, with no Lq x Lk buffer.
   if (half && flash_refusal().empty()) {
-    return {K::kOwnCuda, why + "; fastmha's flash kernels, faster than the ATen composite and without its buffer"};
+    return {K::kOwnCuda, "torch's kernels are not used (" + why +
+                             "): fastmha's flash kernels, faster than the ATen composite and without its buffer"};
   }
-  return {K::kAten, why};
+  return {K::kAten, "torch's kernels are not used (" + why + "): the ATen composite"};
 }
 
 }  // namespace

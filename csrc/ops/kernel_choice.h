@@ -18,7 +18,7 @@ enum class AttentionKernel {
   kOwnCpu,     // fastmha's fused CPU kernels (ops/cpu/)
   kStockCpu,   // torch's CPU flash attention behind the contract layer (ops/stock/)
   kOwnCuda,    // fastmha's CUDA kernels: flash (weights not kept) or cuBLAS + row kernels (weights kept)
-  kStockCuda,  // torch's CUDA flash or memory-efficient attention behind the contract layer
+  kStockCuda,  // torch's CUDA flash, memory-efficient or cuDNN attention behind the contract layer
   kAten,       // the ATen composite (ops/aten/): GEMMs, softmax, fastmha's dropout
 };
 

@@ -1,8 +1,9 @@
 """fastmha's CUDA paths against the float64 oracle (skipped without a CUDA device).
 
-Every test runs twice: with the default kernel choice (SDPA's fused kernels behind the contract layer for
-need_weights=False without dropout, fastmha's row kernels for kept weights, its flash kernels for dropout)
-and with FASTMHA_CUDA_KERNELS=own (fastmha's flash kernels for need_weights=False). Forward and
+Every test runs twice: with the default kernel choice (fastmha's row kernels for kept weights; for
+need_weights=False SDPA's fused kernels behind the contract layer without a mask or dropout, else fastmha's
+flash kernels in half types and the ATen composite in float32) and with FASTMHA_CUDA_KERNELS=own (fastmha's
+flash kernels for need_weights=False). Forward and
 backward, across every padded head size (64/128/256, d_v != d_k), lengths around the tile edges, broadcast
 masks of several dtypes with fully masked rows, is_causal with block skipping, dropout (reproducible, shared
 by both paths, replayed by the backward), strided inputs, side streams, CUDA graphs and gradcheck in float64.
@@ -139,6 +140,16 @@ def test_auto_runs_a_fused_kernel_wherever_sdpa_does_without_a_mask(kernel_mode,
         pytest.skip("SDPA itself runs its math kernel here")
     explanation = fastmha.explain(q, k, v, None, 0.0, False, is_causal)
     assert explanation.count("torch-cuda-sdpa") == 2, explanation
+
+
+@pytest.mark.parametrize("dtype,kernel", [(torch.bfloat16, "fastmha-cuda"), (torch.float32, "aten-composite")])
+def test_auto_runs_masked_calls_on_fastmha_flash_kernels_in_half_types(kernel_mode, dtype, kernel):
+    if kernel_mode != "auto":
+        pytest.skip("the choice of FASTMHA_CUDA_KERNELS=auto")
+    q, k, v = inputs(2, 4, 256, 256, 64, 64, dtype)
+    mask = torch.rand(2, 1, 1, 256, device="cuda") > 0.2
+    explanation = fastmha.explain(q, k, v, mask, 0.0, False)
+    assert explanation.count(kernel) == 2, explanation
 
 
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.uint8, torch.int64, torch.float16, torch.float64])

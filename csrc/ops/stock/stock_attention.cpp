@@ -1,9 +1,12 @@
 #include "ops/stock/stock_attention.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "ops/broadcast_mask.h"
 #include "ops/heads.h"
@@ -89,16 +92,6 @@ at::Tensor to_stock_lse(const at::Tensor& lse, const Prepared& p, const at::Tens
 
 double softmax_scale(const at::Tensor& query) { return 1.0 / std::sqrt(static_cast<double>(query.size(3))); }
 
-// The memory-efficient kernel wants the bias rows 16-element aligned and the full score shape (broadcast
-// through zero strides, as SDPA passes it).
-at::Tensor efficient_bias(const at::Tensor& bias, const at::Tensor& query, const at::Tensor& key) {
-  const int64_t len_k = key.size(2);
-  auto b = bias.expand({bias.size(0), bias.size(1), bias.size(2), len_k});
-  const int64_t pad = (16 - len_k % 16) % 16;
-  b = pad > 0 ? at::constant_pad_nd(b, {0, pad}).slice(-1, 0, len_k) : b.contiguous();
-  return b.expand({query.size(0), query.size(1), query.size(2), len_k});
-}
-
 // The memory-efficient kernel's log-sum-exp has rows padded to a multiple of 32.
 constexpr int64_t kEfficientLseAlign = 32;
 
@@ -109,8 +102,26 @@ at::Tensor efficient_layout(const at::Tensor& t) { return t.transpose(1, 2).cont
 // fastmha's call of the memory-efficient backward returned wrong query gradients in half types for a masked call
 // with 300 queries and a single key (torch 2.11, H200), where torch's own SDPA call of it was right. The output's
 // layout is the suspect (efficient_layout above); until a GPU run proves the kernel there, calls with fewer keys
-// than its key tile run the ATen composite, whose Lq x Lk scores are then no larger than the output.
+// than its key tile are left to fastmha's kernels.
 constexpr int64_t kEfficientMinKeys = 64;
+
+// t (B, H, L, d) copied, if need be, into the memory order of query's strides: the layout cuDNN's forward gives
+// its output, which its backward expects of the output and the output's gradient.
+at::Tensor in_fill_order_of(const at::Tensor& t, const at::Tensor& query) {
+  std::vector<int64_t> fill_order{0, 1, 2, 3};  // innermost first
+  std::stable_sort(fill_order.begin(), fill_order.end(),
+                   [&](int64_t a, int64_t b) { return query.stride(a) < query.stride(b); });
+  std::vector<int64_t> strides(4);
+  int64_t stride = 1;
+  for (const auto dim : fill_order) {
+    strides[dim] = stride;
+    stride *= t.size(dim);
+  }
+  if (t.strides() == at::IntArrayRef(strides)) {
+    return t;
+  }
+  return at::empty_strided(t.sizes(), strides, t.options()).copy_(t);
+}
 
 CudaBackendUsable& backend_usable() {
   static CudaBackendUsable usable = nullptr;
@@ -127,25 +138,37 @@ at::Tensor op_lse_shape(const at::Tensor& lse, const at::Tensor& query) {
 void set_cuda_backend_usable(CudaBackendUsable usable) { backend_usable() = usable; }
 
 std::optional<CudaBackend> cuda_backend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                                        const std::optional<at::Tensor>& mask, bool is_causal, std::string* why) {
-  // SDPA's own choice for tensors like the ones the layer passes (a bias of the query's dtype and the
-  // score shape stands in for the real one; the choice reads only its metadata).
-  std::optional<at::Tensor> bias_like;
+                                        const std::optional<at::Tensor>& mask, bool is_causal, bool training,
+                                        std::string* why) {
+  const auto refuse = [&](std::string reason) -> std::optional<CudaBackend> {
+    if (why != nullptr) {
+      *why = std::move(reason);
+    }
+    return std::nullopt;
+  };
   if (mask.has_value()) {
-    bias_like =
-        at::empty({1, 1, 1, 1}, query.options()).expand({query.size(0), query.size(1), query.size(2), key.size(2)});
+    return refuse("a mask: the layer hands torch's CUDA kernels no bias (its masked path is unproven on a GPU)");
   }
-  const bool causal_flag = is_causal && !mask.has_value();
-  const int64_t choice = at::_fused_sdp_choice(query, key, value, bias_like, 0.0, causal_flag, softmax_scale(query));
+  // torch's choice has rules for training only (backwards some GPUs cannot run); it reads them off the inputs'
+  // requires_grad under grad mode, which is off below autograd.
+  c10::AutoGradMode grad_mode(training);
+  const auto as_trained = [&](const at::Tensor& t) { return training ? t.detach().requires_grad_(true) : t; };
+  const auto q = as_trained(query), k = as_trained(key), v = as_trained(value);
+  int64_t choice = 0;
+  try {
+    choice = at::_fused_sdp_choice(q, k, v, std::nullopt, 0.0, is_causal, softmax_scale(query));
+  } catch (const c10::Error& error) {  // no kernel SDPA may run (its math kernel disabled too)
+    return refuse(std::string("SDPA finds no kernel it may run: ") + error.what_without_backtrace());
+  }
   const auto usable = [&](CudaBackend backend) {
     const auto provider = backend_usable();
-    return provider != nullptr && provider(backend, query, key, value, bias_like, causal_flag);
+    return provider != nullptr && provider(backend, q, k, v, is_causal);
   };
   std::optional<CudaBackend> pick;
   if (choice == static_cast<int64_t>(CudaBackend::kFlash) || choice == static_cast<int64_t>(CudaBackend::kEfficient)) {
     pick = static_cast<CudaBackend>(choice);
   } else if (choice == static_cast<int64_t>(CudaBackend::kCudnn)) {
-    if (!mask.has_value() && (!is_causal || query.size(2) == key.size(2))) {
+    if (!is_causal || query.size(2) == key.size(2)) {
       pick = CudaBackend::kCudnn;
     } else if (usable(CudaBackend::kFlash)) {
       pick = CudaBackend::kFlash;
@@ -154,15 +177,12 @@ std::optional<CudaBackend> cuda_backend(const at::Tensor& query, const at::Tenso
     }
   }
   if (pick == CudaBackend::kEfficient && key.size(2) < kEfficientMinKeys) {
-    if (why != nullptr) {
-      *why = "fewer than " + std::to_string(kEfficientMinKeys) +
-             " keys: the memory-efficient kernel is not used there, and the ATen composite's scores are small";
-    }
-    return std::nullopt;
+    return refuse("fewer than " + std::to_string(kEfficientMinKeys) +
+                  " keys: the layer does not use the memory-efficient kernel there");
   }
-  if (!pick.has_value() && why != nullptr) {
-    *why = "SDPA would run backend " + std::to_string(choice) + " for this call, which the layer does not wrap " +
-           (mask.has_value() ? "with a mask" : "here") + ", and no other fused kernel takes it";
+  if (!pick.has_value()) {
+    return refuse("SDPA would run backend " + std::to_string(choice) +
+                  ", which the layer does not wrap here, and no other fused kernel takes the call");
   }
   return pick;
 }
@@ -183,14 +203,15 @@ detail::AttentionForwardResult attention_forward(const at::Tensor& query, const 
     output = std::get<0>(result);
     logsumexp = std::get<1>(result);
   } else if (*cuda == CudaBackend::kCudnn) {
-    TORCH_INTERNAL_ASSERT(!p.bias.has_value(), "the layer passes cuDNN no bias");
+    TORCH_INTERNAL_ASSERT(!p.bias.has_value(), "the layer passes torch's CUDA kernels no bias");
     auto result = at::_scaled_dot_product_cudnn_attention(p.query, key, value, std::nullopt,
                                                           /*compute_log_sumexp=*/true, 0.0, p.is_causal, false, scale);
     output = std::get<0>(result);
     logsumexp = op_lse_shape(std::get<1>(result), query);
   } else {
-    const auto bias = p.bias.has_value() ? std::optional(efficient_bias(*p.bias, query, key)) : std::nullopt;
-    auto result = at::_scaled_dot_product_efficient_attention(p.query, key, value, bias, true, 0.0, p.is_causal, scale);
+    TORCH_INTERNAL_ASSERT(!p.bias.has_value(), "the layer passes torch's CUDA kernels no bias");
+    auto result =
+        at::_scaled_dot_product_efficient_attention(p.query, key, value, std::nullopt, true, 0.0, p.is_causal, scale);
     output = std::get<0>(result);
     logsumexp = std::get<1>(result).slice(-1, 0, query.size(2)).contiguous();
   }
@@ -222,20 +243,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
           grad_out, p.query, key, value, output, logsumexp, at::Tensor(), at::Tensor(), query.size(2), key.size(2), 0.0,
           p.is_causal, unused_seed, unused_seed, scale);
     } else if (*cuda == CudaBackend::kCudnn) {
-      // cuDNN is handed the output's gradient in the output's own layout.
-      const auto grad_like_out =
-          grad_out.strides() == output.strides() ? grad_out : at::empty_like(output).copy_(grad_out);
       const auto lse = logsumexp.reshape({query.size(0), query.size(1), query.size(2), 1}).contiguous();
       std::tie(grad_q, grad_k, grad_v) = at::_scaled_dot_product_cudnn_attention_backward(
-          grad_like_out, p.query, key, value, output, lse, unused_seed, unused_seed, at::Tensor(), at::Tensor(),
-          at::Tensor(), query.size(2), key.size(2), 0.0, p.is_causal, scale);
+          in_fill_order_of(grad_out, p.query), p.query, key, value, in_fill_order_of(output, p.query), lse, unused_seed,
+          unused_seed, at::Tensor(), at::Tensor(), at::Tensor(), query.size(2), key.size(2), 0.0, p.is_causal, scale);
     } else {
       const int64_t len_q = query.size(2);
       const int64_t padded = (len_q + kEfficientLseAlign - 1) / kEfficientLseAlign * kEfficientLseAlign;
       const auto lse = at::constant_pad_nd(logsumexp, {0, padded - len_q});
-      const auto bias = p.bias.has_value() ? efficient_bias(*p.bias, query, key) : at::Tensor();
+      TORCH_INTERNAL_ASSERT(!p.bias.has_value(), "the layer passes torch's CUDA kernels no bias");
       auto grads = at::_scaled_dot_product_efficient_attention_backward(
-          efficient_layout(grad_out), p.query, key, value, bias, efficient_layout(output), lse, unused_seed,
+          efficient_layout(grad_out), p.query, key, value, at::Tensor(), efficient_layout(output), lse, unused_seed,
           unused_seed, 0.0, {true, true, true, false}, p.is_causal, scale);
       grad_q = std::get<0>(grads);
       grad_k = std::get<1>(grads);
