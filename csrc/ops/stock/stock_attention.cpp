@@ -152,7 +152,10 @@ std::optional<CudaBackend> cuda_backend(const at::Tensor& query, const at::Tenso
   // torch's choice has rules for training only (backwards some GPUs cannot run); it reads them off the inputs'
   // requires_grad under grad mode, which is off below autograd.
   c10::AutoGradMode grad_mode(training);
-  const auto as_trained = [&](const at::Tensor& t) { return training ? t.detach().requires_grad_(true) : t; };
+  // (An inference tensor cannot be marked; a backward is never taken of one through autograd.)
+  const auto as_trained = [&](const at::Tensor& t) {
+    return training && !t.is_inference() ? t.detach().requires_grad_(true) : t;
+  };
   const auto q = as_trained(query), k = as_trained(key), v = as_trained(value);
   int64_t choice = 0;
   try {
