@@ -39,14 +39,14 @@ SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_efficient": SDP
                  "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_math": SDPBackend.MATH}
 PEERS = ["fastmha", "fastmha_own", "fastmha_w", "sdpa", *SDPA_BACKENDS, "oracle"]
 QUADRATIC_MEMORY = {"fastmha_w", "sdpa_math", "oracle"}  # keep an L x L tensor per head
-CASES = {"none": (False, 0.0), "causal": (True, 0.0), "padding+dropout": (False, 0.1)}
+CASES = {"none": (False, 0.0), "causal": (True, 0.0), "padding": (False, 0.0), "padding+dropout": (False, 0.1)}
 
 
 def make_inputs(batch, heads, length, d, case, device, dtype, requires_grad):
     q, k, v = (torch.randn(batch, heads, length, d, device=device, dtype=dtype, requires_grad=requires_grad)
                for _ in range(3))
     mask = None
-    if case == "padding+dropout":  # the last quarter of the keys is padding
+    if case.startswith("padding"):  # the last quarter of the keys is padding
         mask = torch.ones(batch, 1, 1, length, dtype=torch.bool, device=device)
         mask[..., int(length * 0.75):] = False
     return q, k, v, mask
