@@ -52,9 +52,9 @@ Prepared prepare(const at::Tensor& query, const at::Tensor& key, const std::opti
     visible = visible.logical_and(at::ones({len_q, len_k}, visible.options()).tril());
   }
   const auto dead = visible.any(-1, /*keepdim=*/true).logical_not();
-  // On the CPU a row with no visible key is rare and cheap to look for. On CUDA the look would synchronise
-  // the stream (and cannot run under graph capture), so the transformation always runs there.
-  if (!query.is_cpu() || dead.any().item<bool>()) {
+  // Masks reach the layer on the CPU only (cuda_backend), where a row with no visible key is rare and cheap to
+  // look for.
+  if (dead.any().item<bool>()) {
     visible = visible.logical_or(dead);
     p.query = p.query.masked_fill(dead, 0);
     p.dead_rows = dead;
@@ -194,6 +194,7 @@ detail::AttentionForwardResult attention_forward(const at::Tensor& query, const 
                                                  const at::Tensor& user_value, const std::optional<at::Tensor>& mask,
                                                  bool is_causal, std::optional<CudaBackend> cuda) {
   TORCH_INTERNAL_ASSERT(query.is_cpu() || cuda.has_value(), "the stock CUDA path needs the chosen SDPA backend");
+  TORCH_INTERNAL_ASSERT(query.is_cpu() || !mask.has_value(), "the layer takes no masked CUDA calls");
   const auto key = unit_last_stride(user_key), value = unit_last_stride(user_value);
   const auto p = prepare(query, key, mask, is_causal);
   const double scale = softmax_scale(query);
@@ -206,13 +207,11 @@ detail::AttentionForwardResult attention_forward(const at::Tensor& query, const 
     output = std::get<0>(result);
     logsumexp = std::get<1>(result);
   } else if (*cuda == CudaBackend::kCudnn) {
-    TORCH_INTERNAL_ASSERT(!p.bias.has_value(), "the layer passes torch's CUDA kernels no bias");
     auto result = at::_scaled_dot_product_cudnn_attention(p.query, key, value, std::nullopt,
                                                           /*compute_log_sumexp=*/true, 0.0, p.is_causal, false, scale);
     output = std::get<0>(result);
     logsumexp = op_lse_shape(std::get<1>(result), query);
   } else {
-    TORCH_INTERNAL_ASSERT(!p.bias.has_value(), "the layer passes torch's CUDA kernels no bias");
     auto result =
         at::_scaled_dot_product_efficient_attention(p.query, key, value, std::nullopt, true, 0.0, p.is_causal, scale);
     output = std::get<0>(result);
@@ -228,6 +227,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const std::optional<at::Tensor>& mask, const at::Tensor& user_output, const at::Tensor& saved_logsumexp,
     bool is_causal, std::optional<CudaBackend> cuda) {
   TORCH_INTERNAL_ASSERT(query.is_cpu() || cuda.has_value(), "the stock CUDA path needs the chosen SDPA backend");
+  TORCH_INTERNAL_ASSERT(query.is_cpu() || !mask.has_value(), "the layer takes no masked CUDA calls");
   const auto key = unit_last_stride(user_key), value = unit_last_stride(user_value);
   const auto output = unit_last_stride(user_output);
   const auto p = prepare(query, key, mask, is_causal);
@@ -254,7 +254,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
       const int64_t len_q = query.size(2);
       const int64_t padded = (len_q + kEfficientLseAlign - 1) / kEfficientLseAlign * kEfficientLseAlign;
       const auto lse = at::constant_pad_nd(logsumexp, {0, padded - len_q});
-      TORCH_INTERNAL_ASSERT(!p.bias.has_value(), "the layer passes torch's CUDA kernels no bias");
       auto grads = at::_scaled_dot_product_efficient_attention_backward(
           efficient_layout(grad_out), p.query, key, value, at::Tensor(), efficient_layout(output), lse, unused_seed,
           unused_seed, 0.0, {true, true, true, false}, p.is_causal, scale);
