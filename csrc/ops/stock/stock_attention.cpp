@@ -154,7 +154,7 @@ std::optional<CudaBackend> cuda_backend(const at::Tensor& query, const at::Tenso
   c10::AutoGradMode grad_mode(training);
   // (An inference tensor cannot be marked; a backward is never taken of one through autograd.)
   const auto as_trained = [&](const at::Tensor& t) {
-    return training && !t.is_inference() ? t.detach().requires_grad_(true) : t;
+    return training && !t.requires_grad() && !t.is_inference() ? t.detach().requires_grad_(true) : t;
   };
   const auto q = as_trained(query), k = as_trained(key), v = as_trained(value);
   int64_t choice = 0;
