@@ -1,5 +1,6 @@
 // The thread context the kernel bodies (ops/cuda/flash/*.h) run with on the GPU: a 1-D thread block,
-// __syncthreads barriers, atomics, and 16x16 warp products on the tensor cores (WMMA, fp32 accumulators).
+// __syncthreads barriers, atomics, 16x16 warp products on the tensor cores (WMMA, fp32 accumulators), and the
+// register-fragment operations of the mma kernels (ldmatrix, mma.sync m16n8k16, cp.async), sm_80 and newer.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -8,6 +9,7 @@
 #include <cuda_fp16.h>
 #include <mma.h>
 
+#include <cstdint>
 #include <type_traits>
 
 namespace fastmha::cuda_kernels {
@@ -49,6 +51,88 @@ struct DeviceThreads {
   template <typename A>
   __device__ __forceinline__ void atomic_add(A* address, A value) const {
     atomicAdd(address, value);
+  }
+
+  // op over the 4 lanes of the calling lane's quad (lanes 4g..4g+3, which share rows of an mma fragment).
+  template <typename A, typename Op>
+  __device__ __forceinline__ A quad_all_reduce(A value, Op op) const {
+    value = op(value, __shfl_xor_sync(0xffffffffu, value, 1));
+    return op(value, __shfl_xor_sync(0xffffffffu, value, 2));
+  }
+
+  // ldmatrix .x4: lane l names row l % 8 of 8x8 matrix l / 8 (16 bytes of shared memory); r[i] receives
+  // matrix i's elements (row l / 4, columns 2 (l % 4) and + 1), or with Trans (rows 2 (l % 4) and + 1, column l / 4).
+  template <bool Trans, typename T>
+  __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const T* row) const {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const auto address = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+    if constexpr (Trans) {
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                   : "r"(address));
+    } else {
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                   : "r"(address));
+    }
+#else
+    (void)r;
+    (void)row;
+    __trap();  // the mma kernels are launched on sm_80 and newer only
+#endif
+  }
+
+  // d += A * B on the tensor cores: mma.sync.m16n8k16.row.col, fp32 accumulators, fragments as in the PTX ISA.
+  template <typename T>
+  __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) const {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+          "{%0, %1, %2, %3};\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+      static_assert(std::is_same_v<T, c10::Half>, "mma operands are float16 or bfloat16");
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+          "{%0, %1, %2, %3};\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+#else
+    (void)d;
+    (void)a;
+    (void)b0;
+    (void)b1;
+    __trap();
+#endif
+  }
+
+  // 16 bytes from global to shared memory without passing through registers (cp.async.cg: bypasses L1).
+  // They land once a later copy_wait covers their group; a barrier then shows them to the other threads.
+  __device__ __forceinline__ void copy_async16(void* shared, const void* global) const {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const auto address = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(global));
+#else
+    (void)shared;
+    (void)global;
+    __trap();
+#endif
+  }
+  // Closes the calling thread's group of copies issued since the last commit.
+  __device__ __forceinline__ void copy_commit() const {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+  }
+  // Waits until at most Pending of the calling thread's committed groups are still in flight.
+  template <int Pending>
+  __device__ __forceinline__ void copy_wait() const {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending) : "memory");
+#endif
   }
 
   // c[16][16] (+)= A[16][k] * B[k][16], called by all 32 lanes of a warp (layouts as in block_gemm).
