@@ -17,6 +17,7 @@
 #include "ops/broadcast_mask.h"
 #include "ops/cuda/flash/flash_backward.h"
 #include "ops/cuda/flash/flash_forward.h"
+#include "ops/cuda/flash/flash_forward_mma.h"
 #include "ops/cuda/flash/softmax_rows.h"
 #include "ops/cuda/kernel_params_builder.h"
 #include "ops/philox.h"
@@ -151,10 +152,26 @@ void require_close(const at::Tensor& got, const at::Tensor& want, at::ScalarType
   CHECK(error <= tolerance(dtype, n));
 }
 
+at::Tensor mask_view_of(const Inputs& in) {
+  return fastmha::broadcast_mask(in.mask.defined() ? std::optional(in.mask) : std::nullopt, in.q, in.k);
+}
+
+// A forward's output and log-sum-exp against the oracle.
+void require_forward_close(const Case& c, const at::Tensor& out, const at::Tensor& lse, const Reference& want,
+                           at::ScalarType dtype, const std::string& what) {
+  const int64_t longest = longest_reduction(c);
+  require_close(out, want.out, dtype, longest, what + " output");
+  // A fully masked row's lse is -1e9 + log(Lk): compare the others, and those only by the masked test.
+  const auto live = want.lse > -1e8;
+  require_close(lse.to(at::kDouble).masked_select(live), want.lse.masked_select(live), dtype, longest, what + " lse");
+  const bool dead_rows_low = at::all(lse.to(at::kDouble).masked_select(live.logical_not()) < -1e8).item<bool>();
+  CHECK(dead_rows_low);
+}
+
 template <typename T, typename Acc, int DP>
 void check_flash(const Case& c, const Inputs& in, at::ScalarType dtype) {
   const int64_t longest = longest_reduction(c);
-  const auto mask_view = fastmha::broadcast_mask(in.mask.defined() ? std::optional(in.mask) : std::nullopt, in.q, in.k);
+  const auto mask_view = mask_view_of(in);  // p points into it
   auto p = flash_params<T, Acc>(in.q, in.k, in.v, mask_view, c.dropout_p, c.causal, in.rng_state);
   const auto acc = at::toOpMathType(dtype);
   auto out = at::empty({c.batch, c.heads, c.len_q, c.d_v}, dtype);
@@ -167,12 +184,7 @@ void check_flash(const Case& c, const Inputs& in, at::ScalarType dtype) {
     flash_forward_block<T, Acc, DP>(ctx, p, smem, b / query_blocks, static_cast<int>(b % query_blocks));
   });
   const auto want = reference(c, in, /*with_grad_weights=*/false);
-  require_close(out, want.out, dtype, longest, "flash output");
-  // A fully masked row's lse is -1e9 + log(Lk): compare the others, and those only by the masked test.
-  const auto live = want.lse > -1e8;
-  require_close(lse.to(at::kDouble).masked_select(live), want.lse.masked_select(live), dtype, longest, "flash lse");
-  const bool dead_rows_low = at::all(lse.to(at::kDouble).masked_select(live.logical_not()) < -1e8).item<bool>();
-  CHECK(dead_rows_low);
+  require_forward_close(c, out, lse, want, dtype, "flash");
 
   const auto grad_out = in.grad_out.contiguous();
   const auto delta = (grad_out.to(acc) * out.to(acc)).sum(-1).contiguous();
@@ -195,11 +207,28 @@ void check_flash(const Case& c, const Inputs& in, at::ScalarType dtype) {
   require_close(grad_v, want.grad_v, dtype, longest, "flash grad_v");
 }
 
+// The register-resident forward (half types, head sizes up to 128, 1 or 2 row tiles per warp).
+template <typename T, int DP, int RowTiles>
+void check_flash_mma(const Case& c, const Inputs& in, at::ScalarType dtype) {
+  const auto mask_view = mask_view_of(in);  // p points into it
+  auto p = flash_params<T, float>(in.q, in.k, in.v, mask_view, c.dropout_p, c.causal, in.rng_state);
+  auto out = at::empty({c.batch, c.heads, c.len_q, c.d_v}, dtype);
+  auto lse = at::empty({c.batch, c.heads, c.len_q}, at::kFloat);
+  p.out = out.template data_ptr<T>();
+  p.lse = lse.template data_ptr<float>();
+  using Tiles = MmaForwardTiles<DP, RowTiles>;
+  const int query_blocks = (c.len_q + Tiles::kRows - 1) / Tiles::kRows;
+  run_blocks<Tiles::kThreads>(p.batch_heads * query_blocks, Tiles::kSharedBytes, [&](auto ctx, char* smem, int64_t b) {
+    flash_forward_mma_block<T, DP, RowTiles>(ctx, p, smem, b / query_blocks, static_cast<int>(b % query_blocks));
+  });
+  require_forward_close(c, out, lse, reference(c, in, /*with_grad_weights=*/false), dtype, "mma forward");
+}
+
 template <typename T, typename Acc>
 void check_softmax_rows(const Case& c, const Inputs& in, at::ScalarType dtype) {
   const int64_t longest = longest_reduction(c);
   const auto acc = at::toOpMathType(dtype);
-  const auto mask_view = fastmha::broadcast_mask(in.mask.defined() ? std::optional(in.mask) : std::nullopt, in.q, in.k);
+  const auto mask_view = mask_view_of(in);
   // The scores as cuBLAS gives them: the product of the dtype's values, in the accumulation dtype.
   const auto scores = at::matmul(in.q.to(acc), in.k.to(acc).transpose(-2, -1)).contiguous();
   auto p = rows_params<T, Acc>(in.q, in.k, scores, mask_view, c.dropout_p, c.causal, in.rng_state);
@@ -244,27 +273,60 @@ void check_case(const Case& c, at::ScalarType dtype) {
   }
 }
 
+// Option 0: plain; 1: a mask with a fully masked row and padding; 2: causal and that mask, with more keys than a
+// query block sees (block skipping); 3: dropout; 4: a decoding step (one query, a long cache) with mask and dropout.
+Case case_of(int64_t d_k, int64_t d_v, int option) {
+  Case c;
+  c.d_k = d_k;
+  c.d_v = d_v;
+  c.mask = option == 1 || option == 2 || option == 4;
+  c.causal = option == 2;
+  c.dropout_p = option == 3 || option == 4 ? 0.3 : 0.0;
+  if (option == 2) {
+    c.len_k = 150;
+  }
+  if (option == 4) {
+    c.len_q = 1;
+    c.len_k = 130;
+  }
+  return c;
+}
+
 template <typename T, typename Acc>
 void check_dtype(at::ScalarType dtype) {
   const std::pair<int64_t, int64_t> dims[] = {{16, 16}, {100, 72}, {200, 256}};
   for (const auto& [d_k, d_v] : dims) {
     for (int option = 0; option < 5; ++option) {
-      Case c;
-      c.d_k = d_k;
-      c.d_v = d_v;
-      c.mask = option == 1 || option == 2 || option == 4;
-      c.causal = option == 2;
-      c.dropout_p = option == 3 || option == 4 ? 0.3 : 0.0;
-      if (option == 2) {
-        c.len_k = 150;  // causal with more keys than a query block sees: exercises block skipping
-      }
-      if (option == 4) {  // a decoding step: one query against a long cache
-        c.len_q = 1;
-        c.len_k = 130;
-      }
-      INFO("dtype " << dtype << " d_k " << d_k << " d_v " << d_v << " mask " << c.mask << " causal " << c.causal
-                    << " dropout " << c.dropout_p);
+      const Case c = case_of(d_k, d_v, option);
+      INFO("dtype " << dtype << " d_k " << d_k << " d_v " << d_v << " option " << option);
       check_case<T, Acc>(c, dtype);
+    }
+  }
+}
+
+// The mma forwards (16 and 32 rows per warp) over the same cases, head sizes up to 128 (16 is padded to 64: zero
+// columns), and a case of several query and key blocks without a mask (the K/V double buffers taking turns).
+template <typename T>
+void check_mma_dtype(at::ScalarType dtype) {
+  const std::pair<int64_t, int64_t> dims[] = {{16, 16}, {100, 72}, {128, 128}};
+  for (const auto& [d_k, d_v] : dims) {
+    for (int option = 0; option < 6; ++option) {
+      Case c = case_of(d_k, d_v, option < 5 ? option : 0);
+      if (option == 5) {
+        c.batch = 1;
+        c.len_q = 130;
+        c.len_k = 200;
+      }
+      INFO("dtype " << dtype << " d_k " << d_k << " d_v " << d_v << " option " << option);
+      at::manual_seed(7);
+      const auto in = make_inputs(c, dtype);
+      if (std::max(d_k, d_v) <= 64) {
+        check_flash_mma<T, 64, 1>(c, in, dtype);
+        check_flash_mma<T, 64, 2>(c, in, dtype);
+      } else {
+        check_flash_mma<T, 128, 1>(c, in, dtype);
+        check_flash_mma<T, 128, 2>(c, in, dtype);
+      }
     }
   }
 }
@@ -286,3 +348,16 @@ FASTMHA_KERNEL_BODY_TESTS(double, double, at::kDouble, "float64")
 FASTMHA_KERNEL_BODY_TESTS(float, float, at::kFloat, "float32")
 FASTMHA_KERNEL_BODY_TESTS(c10::Half, float, at::kHalf, "float16")
 FASTMHA_KERNEL_BODY_TESTS(c10::BFloat16, float, at::kBFloat16, "bfloat16")
+
+#define FASTMHA_MMA_BODY_TESTS(T, dtype, name)                                                          \
+  TEST_CASE("CUDA mma forward body (emulated on the CPU) matches the oracle: " name, "[cuda-bodies]") { \
+    using fastmha::testing::Schedule;                                                                   \
+    for (const auto schedule : {Schedule::kForward, Schedule::kReverse, Schedule::kShuffled}) {         \
+      INFO("thread order " << static_cast<int>(schedule));                                              \
+      fastmha::testing::ScheduleScope scope(schedule);                                                  \
+      check_mma_dtype<T>(dtype);                                                                        \
+    }                                                                                                   \
+  }
+
+FASTMHA_MMA_BODY_TESTS(c10::Half, at::kHalf, "float16")
+FASTMHA_MMA_BODY_TESTS(c10::BFloat16, at::kBFloat16, "bfloat16")

@@ -164,11 +164,7 @@ FASTMHA_DEVICE void flash_forward_block(const Ctx& ctx, const AttentionParams<T,
   const auto [seed, offset] = dropout_stream(p);
   const MaskView mask = MaskView::of(p, bh);
   const int key_blocks = (p.len_k + BN - 1) / BN;
-  int visible = key_blocks;
-  if (p.is_causal) {  // keys past the last row's diagonal are masked for every row of the block
-    const int last_key = q0 + BM < p.len_k ? q0 + BM : p.len_k;
-    visible = (last_key + BN - 1) / BN;
-  }
+  const int visible = visible_key_blocks(p, q0, BM, BN);
   for (int nb = 0; nb < visible; ++nb) {
     forward_key_block<T, Acc, DP>(ctx, p, sh, bh, q0, nb * BN, mask, seed, offset);
   }

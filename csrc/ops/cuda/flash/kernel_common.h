@@ -14,14 +14,19 @@
 
 #if defined(__CUDACC__)
 #define FASTMHA_DEVICE __device__ __forceinline__
+// Fully unrolls the next loop, so register arrays indexed by its counter stay in registers.
+#define FASTMHA_UNROLL _Pragma("unroll")
 #else
 #define FASTMHA_DEVICE inline
+#define FASTMHA_UNROLL
 #endif
 
 namespace fastmha::cuda_kernels {
 
 // The flash kernels are compiled for head sizes padded to 64, 128 and 256.
 constexpr int kMaxFlashHeadDim = 256;
+// The mma forward (flash_forward_mma.h, half types) for head sizes padded to 64 and 128.
+constexpr int kMaxMmaHeadDim = 128;
 
 // Shared memory a flash kernel's tiles may take: fits sm_80 (163 KiB opt-in) and sm_90 (227 KiB). GPUs with
 // less (sm_75 and older, sm_86/89 consumer parts: 99 KiB) take the ATen path.
@@ -98,6 +103,14 @@ struct MaskView {
     return (is_causal && j > i) || (base != nullptr && !base[i * row_stride + j * col_stride]);
   }
 };
+
+// The key blocks (of `cols` keys) that query rows [q0, q0 + rows) compute: all of them, or with is_causal those up
+// to the last row's diagonal (keys past it are masked for every row of the block).
+template <typename Params>
+FASTMHA_DEVICE int visible_key_blocks(const Params& p, int q0, int rows, int cols) {
+  const int last_key = p.is_causal && q0 + rows < p.len_k ? q0 + rows : p.len_k;
+  return (last_key + cols - 1) / cols;
+}
 
 // The Philox (seed, offset) of the call's dropout, read from its device copy (rng_state); zeros without dropout.
 struct DropoutStream {
