@@ -4,6 +4,9 @@ Peers, on the same (B, H, L, d) bfloat16 inputs:
   fastmha        torch.ops.fastmha.attention, need_weights=False, the default kernel choice (which kernel ran
                  is recorded in fastmha_kernel: fastmha.explain's forward line)
   fastmha_own    the same with FASTMHA_CUDA_KERNELS=own (fastmha's flash kernels)
+  fastmha_mma    the same with FASTMHA_CUDA_FLASH_FORWARD=mma too (the register-resident mma forward, 32 query
+                 rows per warp; the backward is fastmha_own's)
+  fastmha_mma16  the same with FASTMHA_CUDA_FLASH_FORWARD=mma16 (16 rows per warp, Q in registers)
   fastmha_w      the same with need_weights=True (cuBLAS scores + the fused softmax row kernel)
   sdpa           F.scaled_dot_product_attention as torch picks its backend (recorded in sdpa_backend)
   sdpa_flash / sdpa_efficient / sdpa_cudnn / sdpa_math   each SDPA backend forced (n/a where it refuses)
@@ -37,7 +40,10 @@ import fastmha
 ROOT = Path(__file__).resolve().parents[1]
 SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
                  "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_math": SDPBackend.MATH}
-PEERS = ["fastmha", "fastmha_own", "fastmha_w", "sdpa", *SDPA_BACKENDS, "oracle"]
+PEERS = ["fastmha", "fastmha_own", "fastmha_mma", "fastmha_mma16", "fastmha_w", "sdpa", *SDPA_BACKENDS, "oracle"]
+OWN_KERNELS = {"fastmha_own": {"FASTMHA_CUDA_KERNELS": "own"},
+               "fastmha_mma": {"FASTMHA_CUDA_KERNELS": "own", "FASTMHA_CUDA_FLASH_FORWARD": "mma"},
+               "fastmha_mma16": {"FASTMHA_CUDA_KERNELS": "own", "FASTMHA_CUDA_FLASH_FORWARD": "mma16"}}
 QUADRATIC_MEMORY = {"fastmha_w", "sdpa_math", "oracle"}  # keep an L x L tensor per head
 CASES = {"none": (False, 0.0), "causal": (True, 0.0), "padding": (False, 0.0), "padding+dropout": (False, 0.1)}
 
@@ -62,19 +68,20 @@ def oracle(q, k, v, mask, p, is_causal):
     return F.dropout(scores.softmax(-1), p) @ v
 
 
-def with_kernels(mode, fn):
-    """fn run with FASTMHA_CUDA_KERNELS=mode (read at every call)."""
+def with_env(env, fn):
+    """fn run with the environment variables in env set (fastmha reads its switches at every call)."""
 
     def run():
-        saved = os.environ.get("FASTMHA_CUDA_KERNELS")
-        os.environ["FASTMHA_CUDA_KERNELS"] = mode
+        saved = {name: os.environ.get(name) for name in env}
+        os.environ.update(env)
         try:
             return fn()
         finally:
-            if saved is None:
-                os.environ.pop("FASTMHA_CUDA_KERNELS")
-            else:
-                os.environ["FASTMHA_CUDA_KERNELS"] = saved
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name)
+                else:
+                    os.environ[name] = value
 
     return run
 
@@ -82,8 +89,8 @@ def with_kernels(mode, fn):
 def peer_fn(peer, q, k, v, mask, p, is_causal):
     if peer == "fastmha":
         return lambda: torch.ops.fastmha.attention(q, k, v, mask, p, False, is_causal)[0]
-    if peer == "fastmha_own":
-        return with_kernels("own", lambda: torch.ops.fastmha.attention(q, k, v, mask, p, False, is_causal)[0])
+    if peer in OWN_KERNELS:
+        return with_env(OWN_KERNELS[peer], lambda: torch.ops.fastmha.attention(q, k, v, mask, p, False, is_causal)[0])
     if peer == "fastmha_w":
         return lambda: torch.ops.fastmha.attention(q, k, v, mask, p, True, is_causal)[0]
     if peer == "oracle":
@@ -196,11 +203,13 @@ def run(args, device, dtype, on_row):
 
 
 def markdown(rows):
-    lines = ["| d | L | case | mode | fastmha kernel | fastmha TFLOP/s | own TFLOP/s | sdpa (backend) | vs flash "
-             "| vs efficient | vs cudnn | vs oracle | w vs oracle | MiB fastmha / oracle |", "|" + " --- |" * 14]
+    lines = ["| d | L | case | mode | fastmha kernel | fastmha TFLOP/s | own TFLOP/s | mma / mma16 TFLOP/s "
+             "| sdpa (backend) | vs flash | vs efficient | vs cudnn | vs oracle | w vs oracle | MiB fastmha / oracle |",
+             "|" + " --- |" * 15]
     for r in rows:
         lines.append(f"| {r['d']} | {r['length']} | {r['case']} | {r['mode']} | {r['fastmha_kernel']} | "
                      f"{r['tflops_fastmha']:.1f} | {r['tflops_fastmha_own']:.1f} | "
+                     f"{r['tflops_fastmha_mma']:.1f} / {r['tflops_fastmha_mma16']:.1f} | "
                      f"{r['speedup_vs_sdpa']:.2f}x ({r['sdpa_backend']}) | {r['speedup_vs_sdpa_flash']:.2f}x | "
                      f"{r['speedup_vs_sdpa_efficient']:.2f}x | {r['speedup_vs_sdpa_cudnn']:.2f}x | "
                      f"{r['speedup_vs_oracle']:.2f}x | {r['speedup_w_vs_oracle']:.2f}x | "

@@ -3,8 +3,9 @@
 Both paths (flash and weights kept), forward and backward, every dtype and padded head size, with a mask
 that has fully masked rows, is_causal, dropout and lengths that end mid-tile, in inputs both contiguous and
 transposed (a (B, L, H, d) tensor viewed as (B, H, L, d), which takes the element-wise loads). The calls run
-twice: with FASTMHA_CUDA_KERNELS=own, which sends every call without kept weights to fastmha's flash kernels,
-then with FASTMHA_CUDA_KERNELS=aten for the calls that still run a fastmha kernel there (dropout without kept
+three times: with FASTMHA_CUDA_KERNELS=own, which sends every call without kept weights to fastmha's flash
+kernels, again with FASTMHA_CUDA_FLASH_FORWARD=mma and mma16 (the register-resident forward in half types with
+head sizes up to 128), then with FASTMHA_CUDA_KERNELS=aten for the calls that still run a fastmha kernel there (dropout without kept
 weights: the ATen composite draws through fastmha's dropout kernel, as it does where the flash kernels cannot
 run). Exits non-zero on a wrong result (against the CPU kernels), so a sanitizer run also checks the numbers.
 """
@@ -52,14 +53,18 @@ def main():
         return 0
     torch.manual_seed(0)
     failures = 0
-    for mode in ("own", "aten"):
-        os.environ["FASTMHA_CUDA_KERNELS"] = mode  # read at every call
+    for mode in ("own", "own-mma", "own-mma16", "aten"):
+        kernels, _, forward = mode.partition("-")
+        os.environ["FASTMHA_CUDA_KERNELS"] = kernels  # read at every call
+        os.environ["FASTMHA_CUDA_FLASH_FORWARD"] = forward or "auto"
         for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
             for d_k, d_v in ((16, 16), (100, 72), (200, 256)):
                 for need_weights in (False, True):
                     for is_causal, p in ((False, 0.0), (True, 0.0), (False, 0.2)):
                         if mode == "aten" and (need_weights or p == 0.0):
                             continue  # only the composite's dropout runs fastmha's code there
+                        if "mma" in mode and (need_weights or dtype.itemsize != 2 or max(d_k, d_v) > 128):
+                            continue  # the calls the mma forward takes
                         transposed = d_k == 16 and not is_causal
                         failures += not check(dtype, d_k, d_v, need_weights, is_causal, p, transposed, mode)
     print(f"cuda_smoke: done, {failures} wrong results")

@@ -151,7 +151,7 @@ KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share) 
   return {K::kOwnCpu, "fastmha's backward is as fast as torch's or faster"};
 }
 
-KernelChoice choose_cuda(const AttentionCall& call) {
+KernelChoice choose_cuda_kernel(const AttentionCall& call) {
   using K = AttentionKernel;
   const auto mode = switch_value("FASTMHA_CUDA_KERNELS");
   TORCH_CHECK(mode == "auto" || mode == "own" || mode == "aten",
@@ -234,6 +234,30 @@ KernelChoice choose_cuda(const AttentionCall& call) {
                              "): fastmha's flash kernels, faster than the ATen composite and without its buffer"};
   }
   return {K::kAten, "torch's kernels are not used (" + why + "): the ATen composite"};
+}
+
+// Which of fastmha's flash forwards runs a call without kept weights (FASTMHA_CUDA_FLASH_FORWARD): `mma`, the
+// register-resident kernel (float16 and bfloat16, head sizes up to 128) with 32 query rows per warp, `mma16` the
+// same with 16 rows per warp and Q kept in registers, or `wmma`, the shared-memory tile kernel. `auto` is `wmma`
+// for now: the mma kernels are checked on the CPU emulator but have not yet run on a GPU.
+KernelChoice choose_cuda(const AttentionCall& call) {
+  auto choice = choose_cuda_kernel(call);
+  const auto variant = switch_value("FASTMHA_CUDA_FLASH_FORWARD");
+  TORCH_CHECK(variant == "auto" || variant == "wmma" || variant == "mma" || variant == "mma16",
+              "fastmha: FASTMHA_CUDA_FLASH_FORWARD must be auto, wmma, mma or mma16, got '", variant, "'");
+  if (choice.kernel != AttentionKernel::kOwnCuda || call.need_weights || call.pass != Pass::kForward ||
+      (variant != "mma" && variant != "mma16")) {
+    return choice;
+  }
+  const auto dtype = call.query.scalar_type();
+  if ((dtype == at::kHalf || dtype == at::kBFloat16) && call.query.size(3) <= cuda_kernels::kMaxMmaHeadDim &&
+      call.value.size(3) <= cuda_kernels::kMaxMmaHeadDim) {
+    choice.mma_row_tiles = variant == "mma" ? 2 : 1;
+    choice.reason += "; forward: the mma kernel (FASTMHA_CUDA_FLASH_FORWARD=" + variant + ")";
+  } else {
+    choice.reason += "; forward: the wmma kernel (the mma kernel takes float16/bfloat16 with head sizes up to 128)";
+  }
+  return choice;
 }
 
 }  // namespace

@@ -76,10 +76,22 @@ void backward(int d) {
   launch_flash_backward(params<T, Acc>(d), nullptr);
 }
 
-// Every flash kernel: 4 dtypes x forward/backward x padded head sizes 64, 128, 256.
+template <typename T, int RowTiles>
+void forward_mma(int d) {
+  launch_flash_forward_mma(params<T, float>(d), RowTiles, nullptr);
+}
+
+// Every flash kernel: 4 dtypes x forward/backward x padded head sizes 64, 128, 256, and the half types' mma
+// forward for 64 and 128.
 std::vector<Launch> every_flash_launch() {
   std::vector<Launch> launches;
   for (const int d : {64, 128, 256}) {
+    if (d <= kMaxMmaHeadDim) {
+      launches.push_back({"half mma forward", &forward_mma<c10::Half, 2>, d});
+      launches.push_back({"bfloat16 mma forward", &forward_mma<c10::BFloat16, 2>, d});
+      launches.push_back({"half mma16 forward", &forward_mma<c10::Half, 1>, d});
+      launches.push_back({"bfloat16 mma16 forward", &forward_mma<c10::BFloat16, 1>, d});
+    }
     launches.push_back({"float forward", &forward<float, float>, d});
     launches.push_back({"float backward", &backward<float, float>, d});
     launches.push_back({"double forward", &forward<double, double>, d});
@@ -198,6 +210,12 @@ TEST_CASE("A GPU older than the build's archs gets no kernel image, said clearly
   REQUIRE_THROWS_WITH(
       launch_softmax_forward((row_params<float, float>()), nullptr),
       Catch::Contains("fastmha: launching the attention softmax failed") && Catch::Contains("no kernel image"));
+  CHECK(fastmha_standin_launches() == 0);
+}
+
+TEST_CASE("The mma forward refuses head sizes it has no kernel for", "[launch]") {
+  if (!build_runs_on(90, 227 * kKiB)) return;
+  REQUIRE_THROWS_WITH((forward_mma<c10::BFloat16, 2>(kMaxMmaHeadDim + 8)), Catch::Contains("head sizes up to 128"));
   CHECK(fastmha_standin_launches() == 0);
 }
 

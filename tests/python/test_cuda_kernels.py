@@ -2,8 +2,9 @@
 
 Every test runs twice: with the default kernel choice (fastmha's row kernels for kept weights; for
 need_weights=False SDPA's fused kernels behind the contract layer without a mask or dropout, else fastmha's
-flash kernels in half types and the ATen composite in float32) and with FASTMHA_CUDA_KERNELS=own (fastmha's
-flash kernels for need_weights=False). Forward and
+flash kernels in half types and the ATen composite in float32), with FASTMHA_CUDA_KERNELS=own (fastmha's
+flash kernels for need_weights=False), and with that and FASTMHA_CUDA_FLASH_FORWARD=mma or mma16 (the
+register-resident forward in half types with head sizes up to 128). Forward and
 backward, across every padded head size (64/128/256, d_v != d_k), lengths around the tile edges, broadcast
 masks of several dtypes with fully masked rows, is_causal with block skipping, dropout (reproducible, shared
 by both paths, replayed by the backward), strided inputs, side streams, CUDA graphs and gradcheck in float64.
@@ -30,9 +31,12 @@ GRAD_TOLERANCES = {**TOLERANCES, torch.float32: dict(atol=5e-5, rtol=2e-4), torc
                    torch.bfloat16: dict(atol=6e-2, rtol=6e-2)}
 
 
-@pytest.fixture(autouse=True, params=["auto", "own"])
+@pytest.fixture(autouse=True, params=["auto", "own", "own-mma", "own-mma16"])
 def kernel_mode(request, monkeypatch):
-    monkeypatch.setenv("FASTMHA_CUDA_KERNELS", request.param)
+    kernels, _, forward = request.param.partition("-")
+    monkeypatch.setenv("FASTMHA_CUDA_KERNELS", kernels)
+    if forward:  # own-mma(16): the register-resident mma forward where it applies (half types, d <= 128)
+        monkeypatch.setenv("FASTMHA_CUDA_FLASH_FORWARD", forward)
     return request.param
 
 
@@ -150,6 +154,25 @@ def test_auto_runs_masked_calls_on_fastmha_flash_kernels_in_half_types(kernel_mo
     mask = torch.rand(2, 1, 1, 256, device="cuda") > 0.2
     explanation = fastmha.explain(q, k, v, mask, 0.0, False)
     assert explanation.count(kernel) == 2, explanation
+
+
+@pytest.mark.parametrize("dtype,d,variant,forward", [
+    (torch.bfloat16, 64, "mma", "the mma kernel (FASTMHA_CUDA_FLASH_FORWARD=mma)"),
+    (torch.float16, 128, "mma16", "the mma kernel (FASTMHA_CUDA_FLASH_FORWARD=mma16)"),
+    (torch.bfloat16, 200, "mma", "the wmma kernel (the mma kernel takes float16/bfloat16 with head sizes up to 128)"),
+    (torch.float32, 64, "mma", "the wmma kernel"),
+])
+def test_the_flash_forward_switch_names_the_forward_that_runs(kernel_mode, monkeypatch, dtype, d, variant, forward):
+    if kernel_mode != "own":
+        pytest.skip("the flash kernels of FASTMHA_CUDA_KERNELS=own")
+    monkeypatch.setenv("FASTMHA_CUDA_FLASH_FORWARD", variant)
+    q, k, v = inputs(1, 2, 100, 100, d, d, dtype)
+    forward_line, backward_line = fastmha.explain(q, k, v, None, 0.0, False).splitlines()
+    assert "fastmha-cuda" in forward_line and ("forward: " + forward) in forward_line, forward_line
+    assert "mma" not in backward_line, backward_line  # the backward is the flash backward's in every case
+    monkeypatch.setenv("FASTMHA_CUDA_FLASH_FORWARD", "fast")
+    with pytest.raises(RuntimeError, match="FASTMHA_CUDA_FLASH_FORWARD must be auto, wmma, mma or mma16, got 'fast'"):
+        attention(q, k, v)
 
 
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.uint8, torch.int64, torch.float16, torch.float64])
@@ -287,7 +310,7 @@ def test_our_kernels_agree_with_the_aten_path(tmp_path, kernel_mode):
         "        results += [out.detach().cpu(), *(g.cpu() for g in grads)]\n"
         "torch.save(results, sys.argv[1])\n")
     ours, aten = tmp_path / "ours.pt", tmp_path / "aten.pt"
-    env = dict(os.environ, FASTMHA_CUDA_KERNELS=kernel_mode)
+    env = dict(os.environ)  # the mode's switches, set by the kernel_mode fixture
     subprocess.run([sys.executable, str(script), str(ours)], check=True, env=env, timeout=300)
     env["FASTMHA_CUDA_KERNELS"] = "aten"
     subprocess.run([sys.executable, str(script), str(aten)], check=True, env=env, timeout=300)

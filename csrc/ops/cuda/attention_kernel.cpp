@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include <mutex>
+#include <type_traits>
 
 #include "ops/aten/attention_aten.h"
 #include "ops/broadcast_mask.h"
@@ -53,6 +54,16 @@ const bool facts_registered = [] {
   return true;
 }();
 
+// The mma forward exists for the half types only; the kernel choice asks for it in those alone.
+template <typename T, typename Acc>
+void launch_mma_forward(const cuda_kernels::AttentionParams<T, Acc>& p, int row_tiles, cudaStream_t stream) {
+  if constexpr (std::is_same_v<T, at::Half> || std::is_same_v<T, at::BFloat16>) {
+    cuda_kernels::launch_flash_forward_mma(p, row_tiles, stream);
+  } else {
+    TORCH_CHECK(false, "fastmha: the CUDA mma forward takes float16 and bfloat16 only");
+  }
+}
+
 detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query, const at::Tensor& key,
                                                         const at::Tensor& value, const std::optional<at::Tensor>& mask,
                                                         double dropout_p, bool need_weights, bool is_causal) {
@@ -85,7 +96,11 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
       auto p = flash_params<scalar_t, Acc>(q, k, v, mask_view, dropout_p, is_causal, rng_state);
       p.out = output.data_ptr<scalar_t>();
       p.lse = logsumexp.data_ptr<Acc>();
-      cuda_kernels::launch_flash_forward(p, stream);
+      if (choice.mma_row_tiles > 0) {
+        launch_mma_forward(p, choice.mma_row_tiles, stream);
+      } else {
+        cuda_kernels::launch_flash_forward(p, stream);
+      }
     });
     return {in_layout_of(output, query), at::empty({0}, query.options()), logsumexp, rng_state};
   }

@@ -14,6 +14,7 @@
 #include "ops/cuda/device_threads.cuh"
 #include "ops/cuda/flash/flash_backward.h"
 #include "ops/cuda/flash/flash_forward.h"
+#include "ops/cuda/flash/flash_forward_mma.h"
 #include "ops/cuda/flash/softmax_rows.h"
 
 namespace fastmha::cuda_kernels {
@@ -28,6 +29,15 @@ __global__ void __launch_bounds__(kFlashThreads) flash_forward_kernel(AttentionP
   const int64_t block = blockIdx.x;
   flash_forward_block<T, Acc, DP>(DeviceThreads<kFlashThreads>{}, p, smem, block / query_blocks,
                                   static_cast<int>(block % query_blocks));
+}
+
+template <typename T, int DP, int RowTiles>
+__global__ void __launch_bounds__(MmaForwardTiles<DP, RowTiles>::kThreads)
+    flash_forward_mma_kernel(AttentionParams<T, float> p, int query_blocks) {
+  extern __shared__ __align__(128) char smem[];
+  const int64_t block = blockIdx.x;
+  flash_forward_mma_block<T, DP, RowTiles>(DeviceThreads<MmaForwardTiles<DP, RowTiles>::kThreads>{}, p, smem,
+                                           block / query_blocks, static_cast<int>(block % query_blocks));
 }
 
 template <typename T, typename Acc, int DP>
@@ -62,7 +72,7 @@ inline unsigned int grid_size(int64_t blocks, const char* what) {
 // once-flags below must belong to one kernel each (the attribute is set per function).
 template <auto kernel, typename Params>
 void launch_tiled(size_t shared_bytes, int64_t blocks, int per_head, const Params& p, cudaStream_t stream,
-                  const char* what) {
+                  const char* what, int threads = kFlashThreads) {
   if (blocks == 0) {
     return;
   }
@@ -74,7 +84,7 @@ void launch_tiled(size_t shared_bytes, int64_t blocks, int per_head, const Param
     FASTMHA_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes)));
   });
-  kernel<<<grid_size(blocks, what), kFlashThreads, shared_bytes, stream>>>(p, per_head);
+  kernel<<<grid_size(blocks, what), threads, shared_bytes, stream>>>(p, per_head);
   check_launch(what);
 }
 
@@ -84,6 +94,15 @@ void flash_forward_for(const AttentionParams<T, Acc>& p, cudaStream_t stream) {
   const int query_blocks = (p.len_q + Tiles::kRows - 1) / Tiles::kRows;
   launch_tiled<flash_forward_kernel<T, Acc, DP>>(Tiles::kSharedBytes, p.batch_heads * query_blocks, query_blocks, p,
                                                  stream, "the attention forward");
+}
+
+template <int DP, int RowTiles, typename T>
+void flash_forward_mma_for(const AttentionParams<T, float>& p, cudaStream_t stream) {
+  using Tiles = MmaForwardTiles<DP, RowTiles>;
+  const int query_blocks = (p.len_q + Tiles::kRows - 1) / Tiles::kRows;
+  launch_tiled<flash_forward_mma_kernel<T, DP, RowTiles>>(Tiles::kSharedBytes, p.batch_heads * query_blocks,
+                                                          query_blocks, p, stream, "the attention forward (mma)",
+                                                          Tiles::kThreads);
 }
 
 template <int DP, typename T, typename Acc>
@@ -105,6 +124,21 @@ int flash_head_dim(const AttentionParams<T, Acc>& p) {
 template <typename T, typename Acc>
 void launch_flash_forward(const AttentionParams<T, Acc>& p, cudaStream_t stream) {
   with_padded_head_dim(flash_head_dim(p), [&](auto dp) { flash_forward_for<decltype(dp)::value>(p, stream); });
+}
+
+template <typename T>
+void launch_flash_forward_mma(const AttentionParams<T, float>& p, int row_tiles, cudaStream_t stream) {
+  TORCH_CHECK(p.d_k <= kMaxMmaHeadDim && p.d_v <= kMaxMmaHeadDim,
+              "fastmha: the CUDA mma forward takes head sizes up to ", kMaxMmaHeadDim, ", got d_k ", p.d_k, " and d_v ",
+              p.d_v);
+  TORCH_CHECK(row_tiles == 1 || row_tiles == 2, "fastmha: the CUDA mma forward gives a warp 1 or 2 row tiles, got ",
+              row_tiles);
+  const bool narrow = p.d_k <= 64 && p.d_v <= 64;
+  if (row_tiles == 1) {
+    narrow ? flash_forward_mma_for<64, 1>(p, stream) : flash_forward_mma_for<128, 1>(p, stream);
+  } else {
+    narrow ? flash_forward_mma_for<64, 2>(p, stream) : flash_forward_mma_for<128, 2>(p, stream);
+  }
 }
 
 template <typename T, typename Acc>
@@ -139,4 +173,10 @@ void launch_softmax_backward(const SoftmaxRowsParams<T, Acc>& p, cudaStream_t st
   template void launch_flash_backward<T, Acc>(const AttentionParams<T, Acc>&, cudaStream_t);     \
   template void launch_softmax_forward<T, Acc>(const SoftmaxRowsParams<T, Acc>&, cudaStream_t);  \
   template void launch_softmax_backward<T, Acc>(const SoftmaxRowsParams<T, Acc>&, cudaStream_t); \
+  }
+
+// Instantiates the mma forward for a half type.
+#define FASTMHA_INSTANTIATE_CUDA_MMA_KERNELS(T)                                                   \
+  namespace fastmha::cuda_kernels {                                                               \
+  template void launch_flash_forward_mma<T>(const AttentionParams<T, float>&, int, cudaStream_t); \
   }

@@ -9,6 +9,10 @@ namespace fastmha::cuda_kernels {
 
 template <typename T, typename Acc>
 void launch_flash_forward(const AttentionParams<T, Acc>& p, cudaStream_t stream);
+// The register-resident forward (ops/cuda/flash/flash_forward_mma.h): c10::Half and c10::BFloat16, head sizes
+// up to kMaxMmaHeadDim, 16 x row_tiles (1 or 2) query rows per warp.
+template <typename T>
+void launch_flash_forward_mma(const AttentionParams<T, float>& p, int row_tiles, cudaStream_t stream);
 template <typename T, typename Acc>
 void launch_flash_backward(const AttentionParams<T, Acc>& p, cudaStream_t stream);
 template <typename T, typename Acc>

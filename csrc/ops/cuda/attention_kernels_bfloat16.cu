@@ -2,3 +2,4 @@
 #include "ops/cuda/attention_kernels.cuh"
 
 FASTMHA_INSTANTIATE_CUDA_KERNELS(c10::BFloat16, float)
+FASTMHA_INSTANTIATE_CUDA_MMA_KERNELS(c10::BFloat16)
