@@ -16,6 +16,7 @@
 #include "emulated_threads.h"
 #include "ops/broadcast_mask.h"
 #include "ops/cuda/flash/flash_backward.h"
+#include "ops/cuda/flash/flash_backward_mma.h"
 #include "ops/cuda/flash/flash_forward.h"
 #include "ops/cuda/flash/flash_forward_mma.h"
 #include "ops/cuda/flash/softmax_rows.h"
@@ -168,9 +169,41 @@ void require_forward_close(const Case& c, const at::Tensor& out, const at::Tenso
   CHECK(dead_rows_low);
 }
 
+// The backward's inputs (from a forward's output and lse) and outputs, wired into p.
+struct BackwardTensors {
+  at::Tensor grad_out, delta, grad_q, grad_k, grad_v;
+};
+template <typename T, typename Acc>
+BackwardTensors prepare_backward(const Case& c, const Inputs& in, const at::Tensor& out, const at::Tensor& lse,
+                                 at::ScalarType dtype, AttentionParams<T, Acc>& p) {
+  const auto acc = at::toOpMathType(dtype);
+  BackwardTensors t;
+  t.grad_out = in.grad_out.contiguous();
+  t.delta = (t.grad_out.to(acc) * out.to(acc)).sum(-1).contiguous();
+  t.grad_q = at::zeros({c.batch, c.heads, c.len_q, c.d_k}, acc);
+  t.grad_k = at::empty({c.batch, c.heads, c.len_k, c.d_k}, dtype);
+  t.grad_v = at::empty({c.batch, c.heads, c.len_k, c.d_v}, dtype);
+  p.saved_lse = lse.template const_data_ptr<Acc>();
+  p.grad_out = t.grad_out.template const_data_ptr<T>();
+  p.delta = t.delta.template const_data_ptr<Acc>();
+  p.grad_q_acc = t.grad_q.template data_ptr<Acc>();
+  p.grad_k = t.grad_k.template data_ptr<T>();
+  p.grad_v = t.grad_v.template data_ptr<T>();
+  return t;
+}
+
+void require_gradients_close(const Case& c, const BackwardTensors& got, const Reference& want, at::ScalarType dtype,
+                             const std::string& what) {
+  const int64_t longest = longest_reduction(c);
+  require_close(got.grad_q, want.grad_q, dtype, longest, what + " grad_q");
+  require_close(got.grad_k, want.grad_k, dtype, longest, what + " grad_k");
+  require_close(got.grad_v, want.grad_v, dtype, longest, what + " grad_v");
+}
+
+// The WMMA/FMA forward and backward, and in half types with head sizes up to 128 the mma backward on the same
+// forward.
 template <typename T, typename Acc, int DP>
 void check_flash(const Case& c, const Inputs& in, at::ScalarType dtype) {
-  const int64_t longest = longest_reduction(c);
   const auto mask_view = mask_view_of(in);  // p points into it
   auto p = flash_params<T, Acc>(in.q, in.k, in.v, mask_view, c.dropout_p, c.causal, in.rng_state);
   const auto acc = at::toOpMathType(dtype);
@@ -186,25 +219,22 @@ void check_flash(const Case& c, const Inputs& in, at::ScalarType dtype) {
   const auto want = reference(c, in, /*with_grad_weights=*/false);
   require_forward_close(c, out, lse, want, dtype, "flash");
 
-  const auto grad_out = in.grad_out.contiguous();
-  const auto delta = (grad_out.to(acc) * out.to(acc)).sum(-1).contiguous();
-  auto grad_q = at::zeros({c.batch, c.heads, c.len_q, c.d_k}, acc);
-  auto grad_k = at::empty({c.batch, c.heads, c.len_k, c.d_k}, dtype);
-  auto grad_v = at::empty({c.batch, c.heads, c.len_k, c.d_v}, dtype);
-  p.saved_lse = lse.template const_data_ptr<Acc>();
-  p.grad_out = grad_out.template const_data_ptr<T>();
-  p.delta = delta.template const_data_ptr<Acc>();
-  p.grad_q_acc = grad_q.template data_ptr<Acc>();
-  p.grad_k = grad_k.template data_ptr<T>();
-  p.grad_v = grad_v.template data_ptr<T>();
+  const auto grads = prepare_backward(c, in, out, lse, dtype, p);
   using Backward = BackwardTiles<T, Acc, DP>;
   const int key_blocks = (c.len_k + Backward::kCols - 1) / Backward::kCols;
   run_blocks<kFlashThreads>(p.batch_heads * key_blocks, Backward::kSharedBytes, [&](auto ctx, char* smem, int64_t b) {
     flash_backward_block<T, Acc, DP>(ctx, p, smem, b / key_blocks, static_cast<int>(b % key_blocks));
   });
-  require_close(grad_q, want.grad_q, dtype, longest, "flash grad_q");
-  require_close(grad_k, want.grad_k, dtype, longest, "flash grad_k");
-  require_close(grad_v, want.grad_v, dtype, longest, "flash grad_v");
+  require_gradients_close(c, grads, want, dtype, "flash");
+  if constexpr (uses_tensor_cores<T>() && DP <= kMaxMmaHeadDim) {  // the mma backward on the same forward
+    const auto mma_grads = prepare_backward(c, in, out, lse, dtype, p);
+    using Mma = MmaBackwardTiles<DP>;
+    const int mma_key_blocks = (c.len_k + Mma::kCols - 1) / Mma::kCols;
+    run_blocks<Mma::kThreads>(p.batch_heads * mma_key_blocks, Mma::kSharedBytes, [&](auto ctx, char* smem, int64_t b) {
+      flash_backward_mma_block<T, DP>(ctx, p, smem, b / mma_key_blocks, static_cast<int>(b % mma_key_blocks));
+    });
+    require_gradients_close(c, mma_grads, want, dtype, "mma backward");
+  }
 }
 
 // The register-resident forward (half types, head sizes up to 128, 1 or 2 row tiles per warp).

@@ -139,23 +139,11 @@ FASTMHA_DEVICE void flash_backward_block(const Ctx& ctx, const AttentionParams<T
   }
   const auto [seed, offset] = dropout_stream(p);
   const MaskView mask = MaskView::of(p, bh);
-  const Acc* lse = p.saved_lse + bh * p.len_q;
-  const Acc* delta = p.delta + bh * p.len_q;
   const int query_blocks = (p.len_q + BM - 1) / BM;
   for (int mb = 0; mb < query_blocks; ++mb) {
     const int q0 = mb * BM;
     ctx.sync();
-    bool uniform_row = false;
-    for (int r = ctx.thread(); r < BM; r += Ctx::kThreads) {
-      const bool exists = q0 + r < p.len_q;
-      sh.lse[r] = exists ? lse[q0 + r] : Acc(0);
-      sh.delta[r] = exists ? delta[q0 + r] : Acc(0);
-      uniform_row = uniform_row || (exists && masked_everywhere(sh.lse[r]));
-    }
-    // Causal: rows above this key block see none of its keys, unless they are masked everywhere (uniform
-    // over all keys, so they still feed dV). The barrier also publishes lse and delta.
-    const bool any_uniform_row = ctx.sync_or(uniform_row);
-    if (!p.is_causal || q0 + BM - 1 >= k0 || any_uniform_row) {
+    if (stage_query_step(ctx, p, bh, q0, BM, k0, sh.lse, sh.delta)) {
       backward_query_block<T, Acc, DP>(ctx, p, sh, bh, q0, k0, mask, seed, offset);
     }
   }

@@ -9,7 +9,7 @@
 // those of the same Philox indices.
 #pragma once
 
-#include "ops/cuda/flash/block_gemm.h"
+#include "ops/cuda/flash/mma_fragments.h"
 
 namespace fastmha::cuda_kernels {
 
@@ -29,13 +29,6 @@ struct MmaForwardTiles {
   static_assert((RowTiles == 1 || RowTiles == 2) && DP % 16 == 0 && kSharedBytes <= kSharedBudget, "mma forward tiles");
 };
 
-// The 32-bit mma operand holding two adjacent elements (the first in the low half), rounded to nearest even.
-template <typename T>
-FASTMHA_DEVICE uint32_t pack_pair(float first, float second) {
-  const T lo(first), hi(second);
-  return static_cast<uint32_t>(lo.x) | (static_cast<uint32_t>(hi.x) << 16);
-}
-
 // Dropout multipliers of the scores at flat indices first and first + 1 (one Philox block, or two across a
 // block boundary).
 template <typename Acc>
@@ -51,28 +44,6 @@ FASTMHA_DEVICE void dropout_multipliers2(uint64_t seed, uint64_t offset, uint64_
                                    : philox::random4(seed, offset, (first >> 2) + 1).word[0];
   out[0] = philox::to_uniform(word0) >= p ? scale : Acc(0);
   out[1] = philox::to_uniform(word1) >= p ? scale : Acc(0);
-}
-
-// Starts copying rows [first, first + ROWS) of a (count, cols) matrix into tile[ROWS][LD] with cp.async,
-// zeros past `count` and `cols`; rows that are not whole, aligned 16-byte chunks are copied directly instead.
-template <int ROWS, int DP, int LD, typename Ctx, typename T>
-FASTMHA_DEVICE void load_tile_async(const Ctx& ctx, T* tile, const T* src, int64_t stride, int first, int count,
-                                    int cols) {
-  constexpr int kChunk = 8;  // elements in 16 bytes
-  if (cols % kChunk != 0 || stride % kChunk != 0 || reinterpret_cast<uintptr_t>(src) % 16 != 0) {
-    load_tile<ROWS, DP, LD>(ctx, tile, src, stride, first, count, cols);
-    return;
-  }
-  constexpr int kChunks = DP / kChunk;
-  for (int idx = ctx.thread(); idx < ROWS * kChunks; idx += Ctx::kThreads) {
-    const int r = idx / kChunks, c = (idx % kChunks) * kChunk;
-    const int row = first + r;
-    if (row < count && c < cols) {
-      ctx.copy_async16(tile + r * LD + c, src + row * stride + c);
-    } else {
-      *reinterpret_cast<Chunk16*>(tile + r * LD + c) = Chunk16{0, 0, 0, 0};
-    }
-  }
 }
 
 // The per-warp state of the forward: its Q fragments (RowTiles 1), the output accumulator, and for each of the
@@ -93,16 +64,6 @@ struct MmaForwardShared {
   FASTMHA_DEVICE T* k(int buffer) const { return q + Tiles::kRows * Tiles::kLd + buffer * Tiles::kCols * Tiles::kLd; }
   FASTMHA_DEVICE T* v(int buffer) const { return k(2 + buffer); }
 };
-
-// The A fragments of row tile mt of the calling warp, k-step kk, from the Q tile. Lane l names row l % 16 and
-// columns 8 (l / 16) on: registers a0..a3 are (rows 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15).
-template <int DP, int RowTiles, typename Ctx, typename T>
-FASTMHA_DEVICE void load_q_fragment(const Ctx& ctx, uint32_t (&a)[4], const T* q_tile, int mt, int kk) {
-  using Tiles = MmaForwardTiles<DP, RowTiles>;
-  const int lane = ctx.lane();
-  const int row = ctx.warp() * Tiles::kWarpRows + mt * 16 + lane % 16;
-  ctx.template ldmatrix_x4<false>(a, q_tile + row * Tiles::kLd + kk * 16 + (lane / 16) * 8);
-}
 
 // Key blocks [first, last) of query block q0 of head bh: S = Q K^T, the online softmax, O += P V. Waits for
 // all of its copies before it returns; the Q tile's copies, if pending, belong to the first block's group.
@@ -138,7 +99,7 @@ FASTMHA_DEVICE void mma_forward_key_blocks(const Ctx& ctx, const AttentionParams
       if (load_q && nb == first) {
         FASTMHA_UNROLL
         for (int kk = 0; kk < DP / 16; ++kk) {
-          load_q_fragment<DP, RowTiles>(ctx, st.q[kk], sh.q, 0, kk);
+          load_a(ctx, st.q[kk], sh.q, LD, ctx.warp() * Tiles::kWarpRows, kk * 16);
         }
       }
     }
@@ -161,15 +122,13 @@ FASTMHA_DEVICE void mma_forward_key_blocks(const Ctx& ctx, const AttentionParams
             a[mt][r] = st.q[kk][r];
           }
         } else {
-          load_q_fragment<DP, RowTiles>(ctx, a[mt], sh.q, mt, kk);
+          load_a(ctx, a[mt], sh.q, LD, ctx.warp() * Tiles::kWarpRows + mt * 16, kk * 16);
         }
       }
-      // Lane l names key row l % 8 + 8 (l / 16) and dims 8 ((l / 8) % 2) on: fragments b0, b1 of two 8-key tiles.
       FASTMHA_UNROLL
       for (int np = 0; np < BN / 16; ++np) {
         uint32_t b[4];
-        ctx.template ldmatrix_x4<false>(
-            b, k_tile + (np * 16 + lane % 8 + 8 * (lane / 16)) * LD + kk * 16 + 8 * ((lane / 8) % 2));
+        load_b_pair(ctx, b, k_tile, LD, np * 16, kk * 16);
         FASTMHA_UNROLL
         for (int mt = 0; mt < RowTiles; ++mt) {
           ctx.template mma_m16n8k16<T>(s[mt][2 * np], a[mt], b[0], b[1]);
@@ -226,9 +185,7 @@ FASTMHA_DEVICE void mma_forward_key_blocks(const Ctx& ctx, const AttentionParams
             e[2 * h + 1] *= keep[1];
           }
         }
-        // Tile nt holds keys 8 nt..: the low (even nt) or high half of the k16 step nt / 2.
-        prob[mt][nt / 2][2 * (nt % 2)] = pack_pair<T>(e[0], e[1]);
-        prob[mt][nt / 2][2 * (nt % 2) + 1] = pack_pair<T>(e[2], e[3]);
+        pack_c_into_a<T>(prob[mt][nt / 2], nt, e);
       }
       FASTMHA_UNROLL
       for (int dt = 0; dt < DP / 8; ++dt) {
@@ -245,14 +202,12 @@ FASTMHA_DEVICE void mma_forward_key_blocks(const Ctx& ctx, const AttentionParams
       ctx.template copy_wait<0>();
     }
     ctx.sync();
-    // Lane l names key row l % 8 + 8 ((l / 8) % 2) and dims 8 (l / 16) on, transposed: b0, b1 of two dim tiles.
     FASTMHA_UNROLL
     for (int kk = 0; kk < BN / 16; ++kk) {
       FASTMHA_UNROLL
       for (int np = 0; np < DP / 16; ++np) {
         uint32_t b[4];
-        ctx.template ldmatrix_x4<true>(
-            b, v_tile + (kk * 16 + lane % 8 + 8 * ((lane / 8) % 2)) * LD + np * 16 + 8 * (lane / 16));
+        load_b_pair_transposed(ctx, b, v_tile, LD, np * 16, kk * 16);
         FASTMHA_UNROLL
         for (int mt = 0; mt < RowTiles; ++mt) {
           ctx.template mma_m16n8k16<T>(st.o[mt][2 * np], prob[mt][kk], b[0], b[1]);

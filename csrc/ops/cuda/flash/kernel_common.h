@@ -112,6 +112,26 @@ FASTMHA_DEVICE int visible_key_blocks(const Params& p, int q0, int rows, int col
   return (last_key + cols - 1) / cols;
 }
 
+// A backward's query step: copies the lse and delta of query rows [q0, q0 + rows) of head bh into shared memory
+// (zeros past Lq) and says whether the step must run against key block k0.. . With is_causal, rows above the key
+// block see none of its keys, unless they are masked everywhere (uniform over all keys, so they still feed dV).
+// Every thread of the block calls it: its barrier also publishes lse and delta.
+template <typename Ctx, typename Params, typename Acc>
+FASTMHA_DEVICE bool stage_query_step(const Ctx& ctx, const Params& p, int64_t bh, int q0, int rows, int k0,
+                                     Acc* lse_out, Acc* delta_out) {
+  const Acc* lse = p.saved_lse + bh * p.len_q;
+  const Acc* delta = p.delta + bh * p.len_q;
+  bool uniform_row = false;
+  for (int r = ctx.thread(); r < rows; r += Ctx::kThreads) {
+    const bool exists = q0 + r < p.len_q;
+    lse_out[r] = exists ? lse[q0 + r] : Acc(0);
+    delta_out[r] = exists ? delta[q0 + r] : Acc(0);
+    uniform_row = uniform_row || (exists && masked_everywhere(lse_out[r]));
+  }
+  const bool any_uniform_row = ctx.sync_or(uniform_row);
+  return !p.is_causal || q0 + rows - 1 >= k0 || any_uniform_row;
+}
+
 // The Philox (seed, offset) of the call's dropout, read from its device copy (rng_state); zeros without dropout.
 struct DropoutStream {
   uint64_t seed, offset;
