@@ -4,9 +4,9 @@ Peers, on the same (B, H, L, d) bfloat16 inputs:
   fastmha        torch.ops.fastmha.attention, need_weights=False, the default kernel choice (which kernel ran
                  is recorded in fastmha_kernel: fastmha.explain's forward line)
   fastmha_own    the same with FASTMHA_CUDA_KERNELS=own (fastmha's flash kernels)
-  fastmha_mma    the same with FASTMHA_CUDA_FLASH_FORWARD=mma too (the register-resident mma forward, 32 query
-                 rows per warp; the backward is fastmha_own's)
-  fastmha_mma16  the same with FASTMHA_CUDA_FLASH_FORWARD=mma16 (16 rows per warp, Q in registers)
+  fastmha_mma    the same with FASTMHA_CUDA_FLASH=mma too (the register-resident mma kernels, the forward
+                 with 32 query rows per warp)
+  fastmha_mma16  the same with FASTMHA_CUDA_FLASH=mma16 (the forward with 16 rows per warp, Q in registers)
   fastmha_w      the same with need_weights=True (cuBLAS scores + the fused softmax row kernel)
   sdpa           F.scaled_dot_product_attention as torch picks its backend (recorded in sdpa_backend)
   sdpa_flash / sdpa_efficient / sdpa_cudnn / sdpa_math   each SDPA backend forced (n/a where it refuses)
@@ -42,8 +42,8 @@ SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_efficient": SDP
                  "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_math": SDPBackend.MATH}
 PEERS = ["fastmha", "fastmha_own", "fastmha_mma", "fastmha_mma16", "fastmha_w", "sdpa", *SDPA_BACKENDS, "oracle"]
 OWN_KERNELS = {"fastmha_own": {"FASTMHA_CUDA_KERNELS": "own"},
-               "fastmha_mma": {"FASTMHA_CUDA_KERNELS": "own", "FASTMHA_CUDA_FLASH_FORWARD": "mma"},
-               "fastmha_mma16": {"FASTMHA_CUDA_KERNELS": "own", "FASTMHA_CUDA_FLASH_FORWARD": "mma16"}}
+               "fastmha_mma": {"FASTMHA_CUDA_KERNELS": "own", "FASTMHA_CUDA_FLASH": "mma"},
+               "fastmha_mma16": {"FASTMHA_CUDA_KERNELS": "own", "FASTMHA_CUDA_FLASH": "mma16"}}
 QUADRATIC_MEMORY = {"fastmha_w", "sdpa_math", "oracle"}  # keep an L x L tensor per head
 CASES = {"none": (False, 0.0), "causal": (True, 0.0), "padding": (False, 0.0), "padding+dropout": (False, 0.1)}
 

@@ -3,11 +3,11 @@
 Both paths (flash and weights kept), forward and backward, every dtype and padded head size, with a mask
 that has fully masked rows, is_causal, dropout and lengths that end mid-tile, in inputs both contiguous and
 transposed (a (B, L, H, d) tensor viewed as (B, H, L, d), which takes the element-wise loads). The calls run
-three times: with FASTMHA_CUDA_KERNELS=own, which sends every call without kept weights to fastmha's flash
-kernels, again with FASTMHA_CUDA_FLASH_FORWARD=mma and mma16 (the register-resident forward in half types with
-head sizes up to 128), then with FASTMHA_CUDA_KERNELS=aten for the calls that still run a fastmha kernel there (dropout without kept
-weights: the ATen composite draws through fastmha's dropout kernel, as it does where the flash kernels cannot
-run). Exits non-zero on a wrong result (against the CPU kernels), so a sanitizer run also checks the numbers.
+four times: with FASTMHA_CUDA_KERNELS=own, which sends every call without kept weights to fastmha's flash
+kernels, again with FASTMHA_CUDA_FLASH=mma and mma16 (the register-resident forward and backward in half types
+with head sizes up to 128), then with FASTMHA_CUDA_KERNELS=aten for the calls that still run a fastmha kernel
+there (dropout without kept weights: the ATen composite draws through fastmha's dropout kernel, as it does where
+the flash kernels cannot run). Exits non-zero on a wrong result (against the CPU kernels), so a sanitizer run also checks the numbers.
 """
 
 import os
@@ -56,7 +56,7 @@ def main():
     for mode in ("own", "own-mma", "own-mma16", "aten"):
         kernels, _, forward = mode.partition("-")
         os.environ["FASTMHA_CUDA_KERNELS"] = kernels  # read at every call
-        os.environ["FASTMHA_CUDA_FLASH_FORWARD"] = forward or "auto"
+        os.environ["FASTMHA_CUDA_FLASH"] = forward or "auto"
         for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
             for d_k, d_v in ((16, 16), (100, 72), (200, 256)):
                 for need_weights in (False, True):

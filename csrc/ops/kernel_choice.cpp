@@ -236,26 +236,32 @@ KernelChoice choose_cuda_kernel(const AttentionCall& call) {
   return {K::kAten, "torch's kernels are not used (" + why + "): the ATen composite"};
 }
 
-// Which of fastmha's flash forwards runs a call without kept weights (FASTMHA_CUDA_FLASH_FORWARD): `mma`, the
-// register-resident kernel (float16 and bfloat16, head sizes up to 128) with 32 query rows per warp, `mma16` the
-// same with 16 rows per warp and Q kept in registers, or `wmma`, the shared-memory tile kernel. `auto` is `wmma`
-// for now: the mma kernels are checked on the CPU emulator but have not yet run on a GPU.
+// Which of fastmha's flash kernels run a call without kept weights (FASTMHA_CUDA_FLASH): `mma`, the
+// register-resident kernels (float16 and bfloat16, head sizes up to 128) with 32 query rows per warp in the
+// forward, `mma16` the same with 16 rows per warp and Q kept in registers (the backward is the same), or `wmma`,
+// the shared-memory tile kernels. `auto` is `wmma` for now: the mma kernels are checked on the CPU emulator but
+// have not yet run on a GPU.
 KernelChoice choose_cuda(const AttentionCall& call) {
   auto choice = choose_cuda_kernel(call);
-  const auto variant = switch_value("FASTMHA_CUDA_FLASH_FORWARD");
+  const auto variant = switch_value("FASTMHA_CUDA_FLASH");
   TORCH_CHECK(variant == "auto" || variant == "wmma" || variant == "mma" || variant == "mma16",
-              "fastmha: FASTMHA_CUDA_FLASH_FORWARD must be auto, wmma, mma or mma16, got '", variant, "'");
-  if (choice.kernel != AttentionKernel::kOwnCuda || call.need_weights || call.pass != Pass::kForward ||
-      (variant != "mma" && variant != "mma16")) {
+              "fastmha: FASTMHA_CUDA_FLASH must be auto, wmma, mma or mma16, got '", variant, "'");
+  if (choice.kernel != AttentionKernel::kOwnCuda || call.need_weights || (variant != "mma" && variant != "mma16")) {
     return choice;
   }
+  const bool forward = call.pass == Pass::kForward;
   const auto dtype = call.query.scalar_type();
   if ((dtype == at::kHalf || dtype == at::kBFloat16) && call.query.size(3) <= cuda_kernels::kMaxMmaHeadDim &&
       call.value.size(3) <= cuda_kernels::kMaxMmaHeadDim) {
-    choice.mma_row_tiles = variant == "mma" ? 2 : 1;
-    choice.reason += "; forward: the mma kernel (FASTMHA_CUDA_FLASH_FORWARD=" + variant + ")";
+    if (forward) {
+      choice.mma_row_tiles = variant == "mma" ? 2 : 1;
+    } else {
+      choice.mma_backward = true;
+    }
+    choice.reason += std::string("; ") + (forward ? "forward" : "backward") +
+                     ": the mma kernel (FASTMHA_CUDA_FLASH=" + variant + ")";
   } else {
-    choice.reason += "; forward: the wmma kernel (the mma kernel takes float16/bfloat16 with head sizes up to 128)";
+    choice.reason += "; the wmma kernels (the mma kernels take float16/bfloat16 with head sizes up to 128)";
   }
   return choice;
 }

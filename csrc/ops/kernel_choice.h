@@ -53,6 +53,8 @@ struct KernelChoice {
   // kOwnCuda forward without kept weights: the register-resident mma kernel with this many 16-row tiles per warp
   // (1 or 2), or 0 for the WMMA tile kernel.
   int mma_row_tiles = 0;
+  // kOwnCuda backward without kept weights: the register-resident mma kernel instead of the WMMA tile kernel.
+  bool mma_backward = false;
 };
 
 KernelChoice choose_kernel(const AttentionCall& call);

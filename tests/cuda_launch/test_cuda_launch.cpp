@@ -80,9 +80,13 @@ template <typename T, int RowTiles>
 void forward_mma(int d) {
   launch_flash_forward_mma(params<T, float>(d), RowTiles, nullptr);
 }
+template <typename T>
+void backward_mma(int d) {
+  launch_flash_backward_mma(params<T, float>(d), nullptr);
+}
 
 // Every flash kernel: 4 dtypes x forward/backward x padded head sizes 64, 128, 256, and the half types' mma
-// forward for 64 and 128.
+// forwards and backward for 64 and 128.
 std::vector<Launch> every_flash_launch() {
   std::vector<Launch> launches;
   for (const int d : {64, 128, 256}) {
@@ -91,6 +95,8 @@ std::vector<Launch> every_flash_launch() {
       launches.push_back({"bfloat16 mma forward", &forward_mma<c10::BFloat16, 2>, d});
       launches.push_back({"half mma16 forward", &forward_mma<c10::Half, 1>, d});
       launches.push_back({"bfloat16 mma16 forward", &forward_mma<c10::BFloat16, 1>, d});
+      launches.push_back({"half mma backward", &backward_mma<c10::Half>, d});
+      launches.push_back({"bfloat16 mma backward", &backward_mma<c10::BFloat16>, d});
     }
     launches.push_back({"float forward", &forward<float, float>, d});
     launches.push_back({"float backward", &backward<float, float>, d});
@@ -213,9 +219,10 @@ TEST_CASE("A GPU older than the build's archs gets no kernel image, said clearly
   CHECK(fastmha_standin_launches() == 0);
 }
 
-TEST_CASE("The mma forward refuses head sizes it has no kernel for", "[launch]") {
+TEST_CASE("The mma kernels refuse head sizes they have no kernel for", "[launch]") {
   if (!build_runs_on(90, 227 * kKiB)) return;
   REQUIRE_THROWS_WITH((forward_mma<c10::BFloat16, 2>(kMaxMmaHeadDim + 8)), Catch::Contains("head sizes up to 128"));
+  REQUIRE_THROWS_WITH(backward_mma<c10::Half>(kMaxMmaHeadDim + 8), Catch::Contains("head sizes up to 128"));
   CHECK(fastmha_standin_launches() == 0);
 }
 

@@ -3,8 +3,8 @@
 Every test runs twice: with the default kernel choice (fastmha's row kernels for kept weights; for
 need_weights=False SDPA's fused kernels behind the contract layer without a mask or dropout, else fastmha's
 flash kernels in half types and the ATen composite in float32), with FASTMHA_CUDA_KERNELS=own (fastmha's
-flash kernels for need_weights=False), and with that and FASTMHA_CUDA_FLASH_FORWARD=mma or mma16 (the
-register-resident forward in half types with head sizes up to 128). Forward and
+flash kernels for need_weights=False), and with that and FASTMHA_CUDA_FLASH=mma or mma16 (the
+register-resident forward and backward in half types with head sizes up to 128). Forward and
 backward, across every padded head size (64/128/256, d_v != d_k), lengths around the tile edges, broadcast
 masks of several dtypes with fully masked rows, is_causal with block skipping, dropout (reproducible, shared
 by both paths, replayed by the backward), strided inputs, side streams, CUDA graphs and gradcheck in float64.
@@ -35,8 +35,8 @@ GRAD_TOLERANCES = {**TOLERANCES, torch.float32: dict(atol=5e-5, rtol=2e-4), torc
 def kernel_mode(request, monkeypatch):
     kernels, _, forward = request.param.partition("-")
     monkeypatch.setenv("FASTMHA_CUDA_KERNELS", kernels)
-    if forward:  # own-mma(16): the register-resident mma forward where it applies (half types, d <= 128)
-        monkeypatch.setenv("FASTMHA_CUDA_FLASH_FORWARD", forward)
+    if forward:  # own-mma(16): the register-resident mma kernels where they apply (half types, d <= 128)
+        monkeypatch.setenv("FASTMHA_CUDA_FLASH", forward)
     return request.param
 
 
@@ -156,22 +156,22 @@ def test_auto_runs_masked_calls_on_fastmha_flash_kernels_in_half_types(kernel_mo
     assert explanation.count(kernel) == 2, explanation
 
 
-@pytest.mark.parametrize("dtype,d,variant,forward", [
-    (torch.bfloat16, 64, "mma", "the mma kernel (FASTMHA_CUDA_FLASH_FORWARD=mma)"),
-    (torch.float16, 128, "mma16", "the mma kernel (FASTMHA_CUDA_FLASH_FORWARD=mma16)"),
-    (torch.bfloat16, 200, "mma", "the wmma kernel (the mma kernel takes float16/bfloat16 with head sizes up to 128)"),
-    (torch.float32, 64, "mma", "the wmma kernel"),
-])
-def test_the_flash_forward_switch_names_the_forward_that_runs(kernel_mode, monkeypatch, dtype, d, variant, forward):
+@pytest.mark.parametrize("dtype,d,variant,mma", [
+    (torch.bfloat16, 64, "mma", True), (torch.float16, 128, "mma16", True), (torch.bfloat16, 200, "mma", False),
+    (torch.float32, 64, "mma", False)])
+def test_the_flash_switch_names_the_kernels_that_run(kernel_mode, monkeypatch, dtype, d, variant, mma):
     if kernel_mode != "own":
         pytest.skip("the flash kernels of FASTMHA_CUDA_KERNELS=own")
-    monkeypatch.setenv("FASTMHA_CUDA_FLASH_FORWARD", variant)
+    monkeypatch.setenv("FASTMHA_CUDA_FLASH", variant)
     q, k, v = inputs(1, 2, 100, 100, d, d, dtype)
-    forward_line, backward_line = fastmha.explain(q, k, v, None, 0.0, False).splitlines()
-    assert "fastmha-cuda" in forward_line and ("forward: " + forward) in forward_line, forward_line
-    assert "mma" not in backward_line, backward_line  # the backward is the flash backward's in every case
-    monkeypatch.setenv("FASTMHA_CUDA_FLASH_FORWARD", "fast")
-    with pytest.raises(RuntimeError, match="FASTMHA_CUDA_FLASH_FORWARD must be auto, wmma, mma or mma16, got 'fast'"):
+    for line, pass_name in zip(fastmha.explain(q, k, v, None, 0.0, False).splitlines(), ("forward", "backward")):
+        assert line.startswith(pass_name + " fastmha-cuda"), line
+        if mma:
+            assert f"{pass_name}: the mma kernel (FASTMHA_CUDA_FLASH={variant})" in line, line
+        else:
+            assert "the wmma kernels (the mma kernels take float16/bfloat16 with head sizes up to 128)" in line, line
+    monkeypatch.setenv("FASTMHA_CUDA_FLASH", "fast")
+    with pytest.raises(RuntimeError, match="FASTMHA_CUDA_FLASH must be auto, wmma, mma or mma16, got 'fast'"):
         attention(q, k, v)
 
 

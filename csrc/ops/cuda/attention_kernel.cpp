@@ -54,13 +54,21 @@ const bool facts_registered = [] {
   return true;
 }();
 
-// The mma forward exists for the half types only; the kernel choice asks for it in those alone.
+// The mma kernels exist for the half types only; the kernel choice asks for them in those alone.
 template <typename T, typename Acc>
 void launch_mma_forward(const cuda_kernels::AttentionParams<T, Acc>& p, int row_tiles, cudaStream_t stream) {
   if constexpr (std::is_same_v<T, at::Half> || std::is_same_v<T, at::BFloat16>) {
     cuda_kernels::launch_flash_forward_mma(p, row_tiles, stream);
   } else {
     TORCH_CHECK(false, "fastmha: the CUDA mma forward takes float16 and bfloat16 only");
+  }
+}
+template <typename T, typename Acc>
+void launch_mma_backward(const cuda_kernels::AttentionParams<T, Acc>& p, cudaStream_t stream) {
+  if constexpr (std::is_same_v<T, at::Half> || std::is_same_v<T, at::BFloat16>) {
+    cuda_kernels::launch_flash_backward_mma(p, stream);
+  } else {
+    TORCH_CHECK(false, "fastmha: the CUDA mma backward takes float16 and bfloat16 only");
   }
 }
 
@@ -120,7 +128,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(const at::Tensor& 
                                                               const at::Tensor& key, const at::Tensor& value,
                                                               const at::Tensor& mask_view, const at::Tensor& output,
                                                               const at::Tensor& logsumexp, const at::Tensor& rng_state,
-                                                              double dropout_p, bool is_causal) {
+                                                              double dropout_p, bool is_causal, bool mma) {
   const auto dtype = query.scalar_type();
   const auto acc = at::toOpMathType(dtype);
   const auto q = unit_stride_rows(query), k = unit_stride_rows(key), v = unit_stride_rows(value);
@@ -140,7 +148,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(const at::Tensor& 
     p.grad_q_acc = grad_q_acc.data_ptr<Acc>();
     p.grad_k = grad_k.data_ptr<scalar_t>();
     p.grad_v = grad_v.data_ptr<scalar_t>();
-    cuda_kernels::launch_flash_backward(p, at::cuda::getCurrentCUDAStream());
+    if (mma) {
+      launch_mma_backward(p, at::cuda::getCurrentCUDAStream());
+    } else {
+      cuda_kernels::launch_flash_backward(p, at::cuda::getCurrentCUDAStream());
+    }
   });
   return {in_layout_of(grad_q_acc.to(dtype), query), in_layout_of(grad_k, key), in_layout_of(grad_v, value)};
 }
@@ -199,7 +211,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
     return weights_backward(grad_output, *grad_weights, query, key, value, mask_view, logsumexp, state, dropout_p,
                             is_causal);
   }
-  return flash_backward(grad_output, query, key, value, mask_view, output, logsumexp, state, dropout_p, is_causal);
+  return flash_backward(grad_output, query, key, value, mask_view, output, logsumexp, state, dropout_p, is_causal,
+                        choice.mma_backward);
 }
 
 }  // namespace

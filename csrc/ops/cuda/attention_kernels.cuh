@@ -13,6 +13,7 @@
 #include "ops/cuda/cuda_check.h"
 #include "ops/cuda/device_threads.cuh"
 #include "ops/cuda/flash/flash_backward.h"
+#include "ops/cuda/flash/flash_backward_mma.h"
 #include "ops/cuda/flash/flash_forward.h"
 #include "ops/cuda/flash/flash_forward_mma.h"
 #include "ops/cuda/flash/softmax_rows.h"
@@ -38,6 +39,15 @@ __global__ void __launch_bounds__(MmaForwardTiles<DP, RowTiles>::kThreads)
   const int64_t block = blockIdx.x;
   flash_forward_mma_block<T, DP, RowTiles>(DeviceThreads<MmaForwardTiles<DP, RowTiles>::kThreads>{}, p, smem,
                                            block / query_blocks, static_cast<int>(block % query_blocks));
+}
+
+template <typename T, int DP>
+__global__ void __launch_bounds__(MmaBackwardTiles<DP>::kThreads)
+    flash_backward_mma_kernel(AttentionParams<T, float> p, int key_blocks) {
+  extern __shared__ __align__(128) char smem[];
+  const int64_t block = blockIdx.x;
+  flash_backward_mma_block<T, DP>(DeviceThreads<MmaBackwardTiles<DP>::kThreads>{}, p, smem, block / key_blocks,
+                                  static_cast<int>(block % key_blocks));
 }
 
 template <typename T, typename Acc, int DP>
@@ -105,6 +115,14 @@ void flash_forward_mma_for(const AttentionParams<T, float>& p, cudaStream_t stre
                                                           Tiles::kThreads);
 }
 
+template <int DP, typename T>
+void flash_backward_mma_for(const AttentionParams<T, float>& p, cudaStream_t stream) {
+  using Tiles = MmaBackwardTiles<DP>;
+  const int key_blocks = (p.len_k + Tiles::kCols - 1) / Tiles::kCols;
+  launch_tiled<flash_backward_mma_kernel<T, DP>>(Tiles::kSharedBytes, p.batch_heads * key_blocks, key_blocks, p, stream,
+                                                 "the attention backward (mma)", Tiles::kThreads);
+}
+
 template <int DP, typename T, typename Acc>
 void flash_backward_for(const AttentionParams<T, Acc>& p, cudaStream_t stream) {
   using Tiles = BackwardTiles<T, Acc, DP>;
@@ -141,6 +159,14 @@ void launch_flash_forward_mma(const AttentionParams<T, float>& p, int row_tiles,
   }
 }
 
+template <typename T>
+void launch_flash_backward_mma(const AttentionParams<T, float>& p, cudaStream_t stream) {
+  TORCH_CHECK(p.d_k <= kMaxMmaHeadDim && p.d_v <= kMaxMmaHeadDim,
+              "fastmha: the CUDA mma backward takes head sizes up to ", kMaxMmaHeadDim, ", got d_k ", p.d_k,
+              " and d_v ", p.d_v);
+  p.d_k <= 64 && p.d_v <= 64 ? flash_backward_mma_for<64>(p, stream) : flash_backward_mma_for<128>(p, stream);
+}
+
 template <typename T, typename Acc>
 void launch_flash_backward(const AttentionParams<T, Acc>& p, cudaStream_t stream) {
   with_padded_head_dim(flash_head_dim(p), [&](auto dp) { flash_backward_for<decltype(dp)::value>(p, stream); });
@@ -175,8 +201,9 @@ void launch_softmax_backward(const SoftmaxRowsParams<T, Acc>& p, cudaStream_t st
   template void launch_softmax_backward<T, Acc>(const SoftmaxRowsParams<T, Acc>&, cudaStream_t); \
   }
 
-// Instantiates the mma forward for a half type.
+// Instantiates the mma forward and backward for a half type.
 #define FASTMHA_INSTANTIATE_CUDA_MMA_KERNELS(T)                                                   \
   namespace fastmha::cuda_kernels {                                                               \
   template void launch_flash_forward_mma<T>(const AttentionParams<T, float>&, int, cudaStream_t); \
+  template void launch_flash_backward_mma<T>(const AttentionParams<T, float>&, cudaStream_t);     \
   }

@@ -13,6 +13,9 @@ void launch_flash_forward(const AttentionParams<T, Acc>& p, cudaStream_t stream)
 // up to kMaxMmaHeadDim, 16 x row_tiles (1 or 2) query rows per warp.
 template <typename T>
 void launch_flash_forward_mma(const AttentionParams<T, float>& p, int row_tiles, cudaStream_t stream);
+// The register-resident backward (ops/cuda/flash/flash_backward_mma.h), for the same types and head sizes.
+template <typename T>
+void launch_flash_backward_mma(const AttentionParams<T, float>& p, cudaStream_t stream);
 template <typename T, typename Acc>
 void launch_flash_backward(const AttentionParams<T, Acc>& p, cudaStream_t stream);
 template <typename T, typename Acc>
