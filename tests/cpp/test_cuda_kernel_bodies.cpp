@@ -304,13 +304,14 @@ void check_case(const Case& c, at::ScalarType dtype) {
 }
 
 // Option 0: plain; 1: a mask with a fully masked row and padding; 2: causal and that mask, with more keys than a
-// query block sees (block skipping); 3: dropout; 4: a decoding step (one query, a long cache) with mask and dropout.
+// query block sees (block skipping); 3: dropout; 4: a decoding step (one query, a long cache) with mask and dropout;
+// 5: causal alone over 150 queries and keys (the backward skips the query blocks above a key block).
 Case case_of(int64_t d_k, int64_t d_v, int option) {
   Case c;
   c.d_k = d_k;
   c.d_v = d_v;
   c.mask = option == 1 || option == 2 || option == 4;
-  c.causal = option == 2;
+  c.causal = option == 2 || option == 5;
   c.dropout_p = option == 3 || option == 4 ? 0.3 : 0.0;
   if (option == 2) {
     c.len_k = 150;
@@ -319,6 +320,9 @@ Case case_of(int64_t d_k, int64_t d_v, int option) {
     c.len_q = 1;
     c.len_k = 130;
   }
+  if (option == 5) {
+    c.len_q = c.len_k = 150;
+  }
   return c;
 }
 
@@ -326,7 +330,7 @@ template <typename T, typename Acc>
 void check_dtype(at::ScalarType dtype) {
   const std::pair<int64_t, int64_t> dims[] = {{16, 16}, {100, 72}, {200, 256}};
   for (const auto& [d_k, d_v] : dims) {
-    for (int option = 0; option < 5; ++option) {
+    for (int option = 0; option < 6; ++option) {
       const Case c = case_of(d_k, d_v, option);
       INFO("dtype " << dtype << " d_k " << d_k << " d_v " << d_v << " option " << option);
       check_case<T, Acc>(c, dtype);

@@ -69,11 +69,13 @@ struct DeviceThreads {
     if constexpr (Trans) {
       asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                    : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                   : "r"(address));
+                   : "r"(address)
+                   : "memory");  // ordered after the plain shared-memory stores before it
     } else {
       asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                    : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                   : "r"(address));
+                   : "r"(address)
+                   : "memory");
     }
 #else
     (void)r;

@@ -23,7 +23,7 @@ struct MmaBackwardTiles {
   static constexpr int kKeyTile = kCols * kLd, kQueryTile = kRows * kLd;  // elements
   static constexpr size_t kSharedBytes =
       (2 * size_t(kKeyTile) + 2 * size_t(kQueryTile) + size_t(kCols) * kLdS) * 2 + 2 * kRows * sizeof(float);
-  static_assert(DP % 32 == 0 && kSharedBytes <= kSharedBudget, "mma backward tiles");
+  static_assert(DP % 64 == 0 && kSharedBytes <= kSharedBudget, "mma backward tiles: dQ gives each warp 16k columns");
 };
 
 // K, V, Q, dO, dS^T (T), then lse and delta of the query step (float).
@@ -208,7 +208,10 @@ FASTMHA_DEVICE void flash_backward_mma_block(const Ctx& ctx, const AttentionPara
   const auto stream = dropout_stream(p);
   const MaskView mask = MaskView::of(p, bh);
   const int query_steps = (p.len_q + BM - 1) / BM;
-  for (int mb = 0; mb < query_steps; ++mb) {
+  // is_causal without a mask leaves no row masked everywhere: the steps of rows above this key block see none
+  // of its keys and are not staged at all.
+  const int first_step = p.is_causal && p.mask == nullptr ? (k0 / BM < query_steps ? k0 / BM : query_steps) : 0;
+  for (int mb = first_step; mb < query_steps; ++mb) {
     const int q0 = mb * BM;
     if (stage_query_step(ctx, p, bh, q0, BM, k0, sh.lse(), sh.delta())) {
       mma_backward_query_step<T, DP>(ctx, p, sh, st, bh, q0, k0, mask, stream);
