@@ -83,11 +83,9 @@ FASTMHA_DEVICE void mma_backward_query_step(const Ctx& ctx, const AttentionParam
     for (int np = 0; np < BM / 16; ++np) {
       uint32_t b[4];
       load_b_pair(ctx, b, sh.q(), LD, np * 16, kk * 16);
-      ctx.template mma_m16n8k16<T>(s[2 * np], a_k, b[0], b[1]);
-      ctx.template mma_m16n8k16<T>(s[2 * np + 1], a_k, b[2], b[3]);
+      mma_pair<T>(ctx, s[2 * np], s[2 * np + 1], a_k, b);
       load_b_pair(ctx, b, sh.grad_out(), LD, np * 16, kk * 16);
-      ctx.template mma_m16n8k16<T>(grad_p[2 * np], a_v, b[0], b[1]);
-      ctx.template mma_m16n8k16<T>(grad_p[2 * np + 1], a_v, b[2], b[3]);
+      mma_pair<T>(ctx, grad_p[2 * np], grad_p[2 * np + 1], a_v, b);
     }
   }
 
@@ -138,11 +136,9 @@ FASTMHA_DEVICE void mma_backward_query_step(const Ctx& ctx, const AttentionParam
     for (int np = 0; np < DP / 16; ++np) {
       uint32_t b[4];
       load_b_pair_transposed(ctx, b, sh.grad_out(), LD, np * 16, kk * 16);
-      ctx.template mma_m16n8k16<T>(st.grad_v[2 * np], weights[kk], b[0], b[1]);
-      ctx.template mma_m16n8k16<T>(st.grad_v[2 * np + 1], weights[kk], b[2], b[3]);
+      mma_pair<T>(ctx, st.grad_v[2 * np], st.grad_v[2 * np + 1], weights[kk], b);
       load_b_pair_transposed(ctx, b, sh.q(), LD, np * 16, kk * 16);
-      ctx.template mma_m16n8k16<T>(st.grad_k[2 * np], grad_s[kk], b[0], b[1]);
-      ctx.template mma_m16n8k16<T>(st.grad_k[2 * np + 1], grad_s[kk], b[2], b[3]);
+      mma_pair<T>(ctx, st.grad_k[2 * np], st.grad_k[2 * np + 1], grad_s[kk], b);
     }
   }
   ctx.sync();  // every warp's dS^T is in place
@@ -165,8 +161,7 @@ FASTMHA_DEVICE void mma_backward_query_step(const Ctx& ctx, const AttentionParam
       for (int np = 0; np < kTilesD / 2; ++np) {
         uint32_t b[4];
         load_b_pair_transposed(ctx, b, sh.k, LD, warp * kQuarter + np * 16, kk * 16);
-        ctx.template mma_m16n8k16<T>(acc[2 * np], a, b[0], b[1]);
-        ctx.template mma_m16n8k16<T>(acc[2 * np + 1], a, b[2], b[3]);
+        mma_pair<T>(ctx, acc[2 * np], acc[2 * np + 1], a, b);
       }
     }
     FASTMHA_UNROLL

@@ -131,8 +131,7 @@ FASTMHA_DEVICE void mma_forward_key_blocks(const Ctx& ctx, const AttentionParams
         load_b_pair(ctx, b, k_tile, LD, np * 16, kk * 16);
         FASTMHA_UNROLL
         for (int mt = 0; mt < RowTiles; ++mt) {
-          ctx.template mma_m16n8k16<T>(s[mt][2 * np], a[mt], b[0], b[1]);
-          ctx.template mma_m16n8k16<T>(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+          mma_pair<T>(ctx, s[mt][2 * np], s[mt][2 * np + 1], a[mt], b);
         }
       }
     }
@@ -210,8 +209,7 @@ FASTMHA_DEVICE void mma_forward_key_blocks(const Ctx& ctx, const AttentionParams
         load_b_pair_transposed(ctx, b, v_tile, LD, np * 16, kk * 16);
         FASTMHA_UNROLL
         for (int mt = 0; mt < RowTiles; ++mt) {
-          ctx.template mma_m16n8k16<T>(st.o[mt][2 * np], prob[mt][kk], b[0], b[1]);
-          ctx.template mma_m16n8k16<T>(st.o[mt][2 * np + 1], prob[mt][kk], b[2], b[3]);
+          mma_pair<T>(ctx, st.o[mt][2 * np], st.o[mt][2 * np + 1], prob[mt][kk], b);
         }
       }
     }

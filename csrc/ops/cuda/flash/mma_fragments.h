@@ -42,6 +42,14 @@ FASTMHA_DEVICE void load_b_pair_transposed(const Ctx& ctx, uint32_t (&b)[4], con
   ctx.template ldmatrix_x4<true>(b, tile + (k0 + lane % 8 + 8 * ((lane / 8) % 2)) * ld + n0 + 8 * (lane / 16));
 }
 
+// c0 += A B[:, 0:8] and c1 += A B[:, 8:16] with b from one of the load_b_pair loaders.
+template <typename T, typename Ctx>
+FASTMHA_DEVICE void mma_pair(const Ctx& ctx, float (&c0)[4], float (&c1)[4], const uint32_t (&a)[4],
+                             const uint32_t (&b)[4]) {
+  ctx.template mma_m16n8k16<T>(c0, a, b[0], b[1]);
+  ctx.template mma_m16n8k16<T>(c1, a, b[2], b[3]);
+}
+
 // The 32-bit mma operand holding two adjacent elements (the first in the low half), rounded to nearest even.
 template <typename T>
 FASTMHA_DEVICE uint32_t pack_pair(float first, float second) {
