@@ -20,8 +20,8 @@ def test_bench_cuda_smoke_writes_every_result_file(tmp_path):
     stems = {path.suffix: path for path in tmp_path.iterdir()}
     assert set(stems) == {".json", ".csv", ".md", ".png"}
     rows = json.loads(stems[".json"].read_text())["rows"]
-    assert {(r["case"], r["mode"]) for r in rows} == {(c, m) for c in ("none", "causal", "padding", "padding+dropout")
-                                                       for m in ("fwd", "fwd+bwd")}
+    cases = ("none", "causal", "padded+dropout", "padding", "padding+dropout")
+    assert {(r["case"], r["mode"]) for r in rows} == {(c, m) for c in cases for m in ("fwd", "fwd+bwd")}
     assert all(r["ms_fastmha"] > 0 and r["ms_oracle"] > 0 for r in rows)
 
 
