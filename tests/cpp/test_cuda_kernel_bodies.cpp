@@ -32,11 +32,67 @@ constexpr int kFlashThreads = 128;  // as on the GPU: the forward gives each que
 // The row kernels take any whole number of warps; two (the GPU uses eight) keep the test quick.
 constexpr int kRowThreads = 64;
 
+// The masks of the cases. The last four make whole tiles of scores fully masked (which the flash kernels skip),
+// fully kept (which they compute without reading the mask) and mixed, at tile edges and through broadcast strides.
+enum class MaskKind {
+  kNone,
+  kRandom,     // (Lq, Lk) random with a row masked everywhere, times a padding mask (B, 1, 1, Lk)
+  kPadding,    // (B, 1, 1, Lk) int64: the first 64 keys of batch 0 (a tile edge), keys 31.. of batch 1 (left padding)
+  kDecoder,    // (B, 1, Lq, Lk): that padding and the causal triangle, as a padded decoder's mask
+  kQueryRows,  // (B, 1, Lq, 1): whole query rows masked (rows masked everywhere, whole query blocks of them)
+  kBlocks,     // (Lq, Lk): keys 64..135 hidden from all, keys 150.. from queries 0..39, row 3 masked everywhere
+};
+
 struct Case {
   int64_t batch = 2, heads = 2, len_q = 70, len_k = 45, d_k = 16, d_v = 16;
-  bool mask = false, causal = false;
+  MaskKind mask = MaskKind::kNone;
+  bool causal = false;
   double dropout_p = 0.0;
+  // NaN in V at (0, 0, key 100) and inf in K at (0, 1, key 130): hidden keys of kPadding, whose zero weights and
+  // score gradients still meet them in the math (NaN outputs and dQ in those heads).
+  bool poison = false;
 };
+
+at::Tensor make_mask(const Case& c) {
+  using at::indexing::Slice;
+  switch (c.mask) {
+    case MaskKind::kNone:
+      return {};
+    case MaskKind::kRandom: {
+      auto rows = (at::rand({c.len_q, c.len_k}) > 0.3).to(at::kFloat);
+      if (c.len_q > 3) {
+        rows[3].zero_();
+      }
+      auto padding = at::ones({c.batch, 1, 1, c.len_k});
+      padding.index_put_({1, Slice(), Slice(), Slice(c.len_k - 7)}, 0);
+      return rows * padding;
+    }
+    case MaskKind::kPadding:
+    case MaskKind::kDecoder: {
+      auto padding = at::zeros({c.batch, 1, 1, c.len_k}, at::kLong);
+      padding.index_put_({0, Slice(), Slice(), Slice(0, 64)}, 1);
+      padding.index_put_({c.batch - 1, Slice(), Slice(), Slice(31)}, 1);
+      if (c.mask == MaskKind::kPadding) {
+        return padding;
+      }
+      return padding * at::ones({c.len_q, c.len_k}, at::kLong).tril();
+    }
+    case MaskKind::kQueryRows: {
+      auto rows = at::ones({c.batch, 1, c.len_q, 1}, at::kBool);
+      rows.index_put_({0, 0, Slice(5, 10)}, false);
+      rows.index_put_({c.batch - 1, 0, Slice(40)}, false);
+      return rows;
+    }
+    case MaskKind::kBlocks: {
+      auto blocks = at::ones({c.len_q, c.len_k}, at::kFloat);
+      blocks.index_put_({Slice(), Slice(64, 136)}, 0);
+      blocks.index_put_({Slice(0, 40), Slice(150)}, 0);
+      blocks[3].zero_();
+      return blocks;
+    }
+  }
+  return {};
+}
 
 struct Inputs {
   at::Tensor q, k, v, mask, grad_out, grad_weights, rng_state;
@@ -52,15 +108,10 @@ Inputs make_inputs(const Case& c, at::ScalarType dtype) {
   in.q = heads_view(c.len_q, c.d_k);
   in.k = heads_view(c.len_k, c.d_k);
   in.v = heads_view(c.len_k, c.d_v);
-  if (c.mask) {
-    // (Lq, Lk) float 0/1 with one row masked everywhere, times a per-batch padding mask (B, 1, 1, Lk).
-    auto rows = (at::rand({c.len_q, c.len_k}) > 0.3).to(at::kFloat);
-    if (c.len_q > 3) {
-      rows[3].zero_();
-    }
-    auto padding = at::ones({c.batch, 1, 1, c.len_k});
-    padding.index_put_({1, at::indexing::Slice(), at::indexing::Slice(), at::indexing::Slice(c.len_k - 7)}, 0);
-    in.mask = rows * padding;
+  in.mask = make_mask(c);
+  if (c.poison) {
+    in.v.select(0, 0).select(0, 0)[100].fill_(std::numeric_limits<double>::quiet_NaN());
+    in.k.select(0, 0).select(0, 1)[130].fill_(std::numeric_limits<double>::infinity());
   }
   in.grad_out = at::randn({c.batch, c.heads, c.len_q, c.d_v}, options);
   in.grad_weights = at::randn({c.batch, c.heads, c.len_q, c.len_k}, options);
@@ -98,7 +149,7 @@ Reference reference(const Case& c, const Inputs& in, bool with_grad_weights) {
   if (c.causal) {
     masked = at::ones({c.len_q, c.len_k}, at::kBool).triu(1);
   }
-  if (c.mask) {
+  if (in.mask.defined()) {
     masked = at::logical_or(masked, in.mask == 0);
   }
   scores = scores.masked_fill(masked, -1e9);
@@ -139,11 +190,16 @@ double tolerance(at::ScalarType dtype, int64_t n) {
 // The longest sum in any result: over keys (outputs, softmax), queries (dK, dV) or a head vector (scores).
 int64_t longest_reduction(const Case& c) { return std::max({c.len_q, c.len_k, c.d_k, c.d_v}); }
 
-// max |got - want| relative to max(1, max |want|).
+// NaN where want has NaN, and elsewhere max |got - want| relative to max(1, max |want|).
 void require_close(const at::Tensor& got, const at::Tensor& want, at::ScalarType dtype, int64_t n,
                    const std::string& what) {
-  const auto g = got.to(at::kDouble), w = want.to(at::kDouble);
-  REQUIRE(g.sizes() == w.sizes());
+  REQUIRE(got.sizes() == want.sizes());
+  const auto nan = want.isnan();
+  const bool same_nans = at::equal(got.isnan(), nan);
+  INFO(what << ": NaN where the oracle has NaN");
+  CHECK(same_nans);
+  const auto g = got.to(at::kDouble).masked_select(nan.logical_not()),
+             w = want.to(at::kDouble).masked_select(nan.logical_not());
   if (w.numel() == 0) {
     return;
   }
@@ -206,6 +262,8 @@ template <typename T, typename Acc, int DP>
 void check_flash(const Case& c, const Inputs& in, at::ScalarType dtype) {
   const auto mask_view = mask_view_of(in);  // p points into it
   auto p = flash_params<T, Acc>(in.q, in.k, in.v, mask_view, c.dropout_p, c.causal, in.rng_state);
+  const auto forward_flags = finite_heads({in.v});  // as the CUDA ops compute them
+  p.finite_heads = forward_flags.const_data_ptr<bool>();
   const auto acc = at::toOpMathType(dtype);
   auto out = at::empty({c.batch, c.heads, c.len_q, c.d_v}, dtype);
   auto lse = at::empty({c.batch, c.heads, c.len_q}, acc);
@@ -220,6 +278,8 @@ void check_flash(const Case& c, const Inputs& in, at::ScalarType dtype) {
   require_forward_close(c, out, lse, want, dtype, "flash");
 
   const auto grads = prepare_backward(c, in, out, lse, dtype, p);
+  const at::Tensor backward_flags = finite_heads({in.q, in.k, grads.grad_out});
+  p.finite_heads = backward_flags.const_data_ptr<bool>();
   using Backward = BackwardTiles<T, Acc, DP>;
   const int key_blocks = (c.len_k + Backward::kCols - 1) / Backward::kCols;
   run_blocks<kFlashThreads>(p.batch_heads * key_blocks, Backward::kSharedBytes, [&](auto ctx, char* smem, int64_t b) {
@@ -242,6 +302,8 @@ template <typename T, int DP, int RowTiles>
 void check_flash_mma(const Case& c, const Inputs& in, at::ScalarType dtype) {
   const auto mask_view = mask_view_of(in);  // p points into it
   auto p = flash_params<T, float>(in.q, in.k, in.v, mask_view, c.dropout_p, c.causal, in.rng_state);
+  const auto flags = finite_heads({in.v});
+  p.finite_heads = flags.const_data_ptr<bool>();
   auto out = at::empty({c.batch, c.heads, c.len_q, c.d_v}, dtype);
   auto lse = at::empty({c.batch, c.heads, c.len_q}, at::kFloat);
   p.out = out.template data_ptr<T>();
@@ -305,14 +367,22 @@ void check_case(const Case& c, at::ScalarType dtype) {
 
 // Option 0: plain; 1: a mask with a fully masked row and padding; 2: causal and that mask, with more keys than a
 // query block sees (block skipping); 3: dropout; 4: a decoding step (one query, a long cache) with mask and dropout;
-// 5: causal alone over 150 queries and keys (the backward skips the query blocks above a key block).
+// 5: causal alone over 150 queries and keys (the backward skips the query blocks above a key block). Options 6 to 9
+// have masks with whole tiles of one kind (see MaskKind), over several query and key blocks of one head: 6: padding,
+// is_causal and dropout (rows before batch 1's first kept key see none); 7: a padded decoder's mask; 8: masked
+// query rows with is_causal; 9: blocks hidden from some queries; 10: padding with a NaN value and an infinite key
+// among the hidden keys (Case::poison), whose heads must skip nothing.
+constexpr int kOptions = 11;
 Case case_of(int64_t d_k, int64_t d_v, int option) {
   Case c;
   c.d_k = d_k;
   c.d_v = d_v;
-  c.mask = option == 1 || option == 2 || option == 4;
-  c.causal = option == 2 || option == 5;
-  c.dropout_p = option == 3 || option == 4 ? 0.3 : 0.0;
+  constexpr MaskKind kinds[kOptions] = {MaskKind::kNone,      MaskKind::kRandom, MaskKind::kRandom,  MaskKind::kNone,
+                                        MaskKind::kRandom,    MaskKind::kNone,   MaskKind::kPadding, MaskKind::kDecoder,
+                                        MaskKind::kQueryRows, MaskKind::kBlocks, MaskKind::kPadding};
+  c.mask = kinds[option];
+  c.causal = option == 2 || option == 5 || option == 6 || option == 8;
+  c.dropout_p = option == 3 || option == 4 ? 0.3 : option == 6 ? 0.2 : 0.0;
   if (option == 2) {
     c.len_k = 150;
   }
@@ -323,6 +393,16 @@ Case case_of(int64_t d_k, int64_t d_v, int option) {
   if (option == 5) {
     c.len_q = c.len_k = 150;
   }
+  if (option >= 6 && option < 10) {  // one head: the masks do not depend on it
+    c.heads = 1;
+    c.len_q = 100;
+    c.len_k = option == 8 ? 100 : 160;
+  }
+  if (option == 10) {
+    c.len_q = 40;
+    c.len_k = 160;
+    c.poison = true;
+  }
   return c;
 }
 
@@ -330,7 +410,8 @@ template <typename T, typename Acc>
 void check_dtype(at::ScalarType dtype) {
   const std::pair<int64_t, int64_t> dims[] = {{16, 16}, {100, 72}, {200, 256}};
   for (const auto& [d_k, d_v] : dims) {
-    for (int option = 0; option < 6; ++option) {
+    // The masks with whole tiles of one kind at one head size: the tiles' classification does not depend on it.
+    for (int option = 0; option < (d_k == 16 ? kOptions : 6); ++option) {
       const Case c = case_of(d_k, d_v, option);
       INFO("dtype " << dtype << " d_k " << d_k << " d_v " << d_v << " option " << option);
       check_case<T, Acc>(c, dtype);
@@ -339,13 +420,14 @@ void check_dtype(at::ScalarType dtype) {
 }
 
 // The mma forwards (16 and 32 rows per warp) over the same cases, head sizes up to 128 (16 is padded to 64: zero
-// columns), and a case of several query and key blocks without a mask (the K/V double buffers taking turns).
+// columns), with option 5 a case of several query and key blocks without a mask (the K/V double buffers taking
+// turns).
 template <typename T>
 void check_mma_dtype(at::ScalarType dtype) {
   const std::pair<int64_t, int64_t> dims[] = {{16, 16}, {100, 72}, {128, 128}};
   for (const auto& [d_k, d_v] : dims) {
-    for (int option = 0; option < 6; ++option) {
-      Case c = case_of(d_k, d_v, option < 5 ? option : 0);
+    for (int option = 0; option < (d_k == 100 ? kOptions : 6); ++option) {
+      Case c = case_of(d_k, d_v, option == 5 ? 0 : option);
       if (option == 5) {
         c.batch = 1;
         c.len_q = 130;

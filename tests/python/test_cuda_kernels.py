@@ -118,6 +118,52 @@ def test_causal_with_padding_matches_oracle(dtype, lq, lk, need_weights):
         check(dtype, got, want, grads=True)
 
 
+def padded_mask(kind, lengths, length):
+    """Padded batches: sentences of `lengths` tokens padded to `length`, as int64 masks. "keys": (B, 1, 1, L) key
+    padding; "decoder": (B, 1, L, L) key padding and the causal triangle; "left": (B, 1, 1, L) keeping the last
+    `lengths` keys (with is_causal, the rows before a sentence's first key see none)."""
+    keys = torch.arange(length, device="cuda")
+    lengths = torch.tensor(lengths, device="cuda").view(-1, 1, 1, 1)
+    if kind == "left":
+        return (keys >= length - lengths).long()
+    padding = (keys < lengths).long()
+    return padding if kind == "keys" else padding * torch.tril(torch.ones(length, length, device="cuda")).long()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("kind,is_causal", [("keys", False), ("decoder", False), ("left", True)])
+def test_padded_batches_match_oracle(dtype, d, kind, is_causal):
+    # The flash kernels skip the tiles of scores that no row of a tile sees (here most of them).
+    q, k, v = inputs(3, 2, 350, 350, d, d, dtype, strided=True)
+    mask = padded_mask(kind, [27, 64, 300], 350)
+    q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
+    out, _ = attention(q, k, v, mask, need_weights=False, is_causal=is_causal)
+    grad_out = torch.randn_like(out)
+    ref_out, _, ref_grads = reference(q, k, v, causal_and(mask, 350, 350) if is_causal else mask, grad_out)
+    check(dtype, out, ref_out)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad_out), ref_grads):
+        check(dtype, got, want, grads=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("where,value", [("v", float("nan")), ("k", float("inf")), ("q", float("inf"))])
+def test_nan_behind_skipped_tiles_propagates_like_the_oracle(dtype, where, value):
+    # A hidden key's zero weight times a NaN value is NaN in the math, and so is its zero score gradient times an
+    # infinite key or query: heads that hold one skip no tile. Head 1 stays finite.
+    q, k, v = inputs(1, 2, 100, 300, 64, 64, dtype)
+    mask = padded_mask("keys", [50], 300)
+    {"q": q, "k": k, "v": v}[where][0, 0, 200 if where != "q" else 70, 5] = value
+    q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
+    out, _ = attention(q, k, v, mask, need_weights=False)
+    grad_out = torch.randn_like(out)
+    ref_out, _, ref_grads = reference(q, k, v, mask, grad_out)
+    for got, want in zip((out, *torch.autograd.grad(out, (q, k, v), grad_out)), (ref_out, *ref_grads)):
+        assert torch.equal(got.isnan().cpu(), want.isnan().cpu())
+        assert want[:, 1].isfinite().all()
+        check(dtype, got[:, 1], want[:, 1], grads=got is not out)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d_k,d_v", [(64, 64), (128, 128), (96, 64)])
 @pytest.mark.parametrize("lq,lk,is_causal", [(200, 200, False), (200, 200, True), (77, 333, False), (333, 77, True)])

@@ -99,9 +99,12 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (!need_weights) {
     auto output = at::empty({batch, heads, len_q, value.size(3)}, query.options());
+    // Skipped tiles leave out hidden keys' zero weights times their values.
+    const auto skip_flags = mask_view.defined() || is_causal ? cuda_kernels::finite_heads({v}) : at::Tensor();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "fastmha_cuda_flash_forward", [&] {
       using Acc = at::opmath_type<scalar_t>;
       auto p = flash_params<scalar_t, Acc>(q, k, v, mask_view, dropout_p, is_causal, rng_state);
+      p.finite_heads = skip_flags.defined() ? skip_flags.const_data_ptr<bool>() : nullptr;
       p.out = output.data_ptr<scalar_t>();
       p.lse = logsumexp.data_ptr<Acc>();
       if (choice.mma_row_tiles > 0) {
@@ -139,9 +142,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(const at::Tensor& 
   auto grad_q_acc = at::zeros(query.sizes(), query.options().dtype(acc));
   auto grad_k = at::empty(key.sizes(), key.options());
   auto grad_v = at::empty(value.sizes(), value.options());
+  // Skipped tiles leave out zero score gradients times Q and K, and zero weights times dO.
+  const auto skip_flags =
+      mask_view.defined() || is_causal ? cuda_kernels::finite_heads({q, k, grad_out}) : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "fastmha_cuda_flash_backward", [&] {
     using Acc = at::opmath_type<scalar_t>;
     auto p = flash_params<scalar_t, Acc>(q, k, v, mask_view, dropout_p, is_causal, rng_state);
+    p.finite_heads = skip_flags.defined() ? skip_flags.const_data_ptr<bool>() : nullptr;
     p.saved_lse = lse.const_data_ptr<Acc>();
     p.grad_out = grad_out.const_data_ptr<scalar_t>();
     p.delta = delta.const_data_ptr<Acc>();

@@ -5,6 +5,7 @@
 
 #include <climits>
 #include <cmath>
+#include <initializer_list>
 
 #include "ops/broadcast_mask.h"
 #include "ops/cuda/flash/kernel_params.h"
@@ -30,6 +31,18 @@ inline void set_common(Params& p, int64_t heads, int64_t len_q, int64_t len_k, i
   p.dropout_p = static_cast<float>(dropout_p);
   p.dropout_scale = dropout_p > 0 ? 1.0 / (1.0 - dropout_p) : 1.0;
   p.rng_state = rng_state.const_data_ptr<int64_t>();
+}
+
+// Per head, (B * H) bool: whether every element of `tensors` (each (B, H, rows, features)) is finite there, for
+// the flash kernels' tile skipping (AttentionParams::finite_heads). A sum in fp32 is non-finite where an
+// element is; one that overflows on finite values only turns skipping off, which changes no result.
+inline at::Tensor finite_heads(std::initializer_list<at::Tensor> tensors) {
+  at::Tensor total;
+  for (const auto& t : tensors) {
+    const auto sums = t.sum({2, 3}, /*keepdim=*/false, at::kFloat);
+    total = total.defined() ? total + sums : sums;
+  }
+  return at::isfinite(total).contiguous();
 }
 
 template <typename T, typename Acc>

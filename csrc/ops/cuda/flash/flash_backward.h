@@ -61,11 +61,11 @@ struct BackwardShared {
   }
 };
 
-// One query block against the block's keys.
+// One query block against the block's keys; `reads_mask` as from stage_query_step.
 template <typename T, typename Acc, int DP, typename Ctx>
 FASTMHA_DEVICE void backward_query_block(const Ctx& ctx, const AttentionParams<T, Acc>& p,
                                          const BackwardShared<T, Acc, DP>& sh, int64_t bh, int q0, int k0,
-                                         const MaskView& mask, uint64_t seed, uint64_t offset) {
+                                         const MaskView& mask, bool reads_mask, uint64_t seed, uint64_t offset) {
   using Tiles = BackwardTiles<T, Acc, DP>;
   constexpr int BM = Tiles::kRows, BN = Tiles::kCols;
   const T* q = head_rows(p.q, p.q_stride, bh, p.heads);
@@ -90,7 +90,7 @@ FASTMHA_DEVICE void backward_query_block(const Ctx& ctx, const AttentionParams<T
       Acc w = 0, ds = 0;
       if (i < p.len_q && key < p.len_k) {
         const Acc lse = sh.lse[r];
-        const bool masked = mask.masked(i, key);
+        const bool masked = mask.masked(i, key, reads_mask);
         Acc prob;
         if (masked_everywhere(lse)) {
           prob = Acc(1) / Acc(p.len_k);
@@ -138,13 +138,14 @@ FASTMHA_DEVICE void flash_backward_block(const Ctx& ctx, const AttentionParams<T
     sh.grad_v[idx] = Acc(0);
   }
   const auto [seed, offset] = dropout_stream(p);
-  const MaskView mask = MaskView::of(p, bh);
+  const MaskView mask = flash_mask_view(p, bh);
   const int query_blocks = (p.len_q + BM - 1) / BM;
   for (int mb = 0; mb < query_blocks; ++mb) {
     const int q0 = mb * BM;
     ctx.sync();
-    if (stage_query_step(ctx, p, bh, q0, BM, k0, sh.lse, sh.delta)) {
-      backward_query_block<T, Acc, DP>(ctx, p, sh, bh, q0, k0, mask, seed, offset);
+    bool reads_mask = true;
+    if (stage_query_step(ctx, p, bh, q0, BM, k0, BN, mask, reads_mask, sh.lse, sh.delta)) {
+      backward_query_block<T, Acc, DP>(ctx, p, sh, bh, q0, k0, mask, reads_mask, seed, offset);
     }
   }
   ctx.sync();

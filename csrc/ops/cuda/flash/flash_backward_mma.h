@@ -46,11 +46,12 @@ struct MmaBackwardState {
   float grad_v[DP / 8][4];
 };
 
-// Query step q0 against the block's keys k0.. (K and V in shared memory).
+// Query step q0 against the block's keys k0.. (K and V in shared memory); `reads_mask` as from stage_query_step.
 template <typename T, int DP, typename Ctx>
 FASTMHA_DEVICE void mma_backward_query_step(const Ctx& ctx, const AttentionParams<T, float>& p,
                                             const MmaBackwardShared<DP, T>& sh, MmaBackwardState<DP>& st, int64_t bh,
-                                            int q0, int k0, const MaskView& mask, DropoutStream stream) {
+                                            int q0, int k0, const MaskView& mask, bool reads_mask,
+                                            DropoutStream stream) {
   using Tiles = MmaBackwardTiles<DP>;
   constexpr int BM = Tiles::kRows, LD = Tiles::kLd;
   constexpr int kTilesN = BM / 8;  // 8-query tiles of a warp's 16 keys
@@ -102,7 +103,7 @@ FASTMHA_DEVICE void mma_backward_query_step(const Ctx& ctx, const AttentionParam
       w[e] = ds[e] = 0.0f;
       if (i < p.len_q && key < p.len_k) {
         const float lse = sh.lse()[r];
-        const bool masked = mask.masked(i, key);
+        const bool masked = mask.masked(i, key, reads_mask);
         float prob;
         if (masked_everywhere(lse)) {
           prob = 1.0f / static_cast<float>(p.len_k);
@@ -201,15 +202,17 @@ FASTMHA_DEVICE void flash_backward_mma_block(const Ctx& ctx, const AttentionPara
     }
   }
   const auto stream = dropout_stream(p);
-  const MaskView mask = MaskView::of(p, bh);
+  const MaskView mask = flash_mask_view(p, bh);
   const int query_steps = (p.len_q + BM - 1) / BM;
   // is_causal without a mask leaves no row masked everywhere: the steps of rows above this key block see none
-  // of its keys and are not staged at all.
-  const int first_step = p.is_causal && p.mask == nullptr ? (k0 / BM < query_steps ? k0 / BM : query_steps) : 0;
+  // of its keys and are not staged at all (where the head skips).
+  const bool above_diagonal_skipped = p.is_causal && p.mask == nullptr && mask.skip_hidden;
+  const int first_step = above_diagonal_skipped ? (k0 / BM < query_steps ? k0 / BM : query_steps) : 0;
   for (int mb = first_step; mb < query_steps; ++mb) {
     const int q0 = mb * BM;
-    if (stage_query_step(ctx, p, bh, q0, BM, k0, sh.lse(), sh.delta())) {
-      mma_backward_query_step<T, DP>(ctx, p, sh, st, bh, q0, k0, mask, stream);
+    bool reads_mask = true;
+    if (stage_query_step(ctx, p, bh, q0, BM, k0, BN, mask, reads_mask, sh.lse(), sh.delta())) {
+      mma_backward_query_step<T, DP>(ctx, p, sh, st, bh, q0, k0, mask, reads_mask, stream);
     }
   }
   ctx.template copy_wait<0>();  // K and V, when no step ran

@@ -162,21 +162,28 @@ FASTMHA_DEVICE void flash_forward_block(const Ctx& ctx, const AttentionParams<T,
     sh.l[r] = Acc(0);
   }
   const auto [seed, offset] = dropout_stream(p);
-  const MaskView mask = MaskView::of(p, bh);
+  const MaskView mask = flash_mask_view(p, bh);
   const int key_blocks = (p.len_k + BN - 1) / BN;
-  const int visible = visible_key_blocks(p, q0, BM, BN);
+  const int visible = visible_key_blocks(p, mask, q0, BM, BN);
+  // Key blocks in which no row of this block sees a key (masked, or past the causal diagonal) are skipped: they
+  // would add exp(-1e9 - m) = 0 to every row that sees some key.
   for (int nb = 0; nb < visible; ++nb) {
-    forward_key_block<T, Acc, DP>(ctx, p, sh, bh, q0, nb * BN, mask, seed, offset);
+    const TileView tile = classify_tile(ctx, mask, q0, BM, nb * BN, BN, p.len_q, p.len_k);
+    if (tile.any_visible) {
+      forward_key_block<T, Acc, DP>(ctx, p, sh, bh, q0, nb * BN, tile.reads(mask), seed, offset);
+    }
   }
-  if (visible < key_blocks) {
-    // A row masked everywhere so far (a padding mask on top of causal) is uniform over *all* keys: let it
-    // see the skipped blocks too. For every other row they add exp(-1e9 - m) = 0.
+  if (p.mask != nullptr || visible < key_blocks) {
+    // A row masked everywhere (in the blocks it saw, so in all) is uniform over *all* keys: let it see the
+    // skipped blocks too.
     static_assert(BM <= Ctx::kThreads, "one thread per row asks");
     ctx.sync();
     const int r = ctx.thread();
     if (ctx.sync_or(r < BM && q0 + r < p.len_q && sh.m[r] < Acc(kMaskedScore / 2))) {
-      for (int nb = visible; nb < key_blocks; ++nb) {
-        forward_key_block<T, Acc, DP>(ctx, p, sh, bh, q0, nb * BN, mask, seed, offset);
+      for (int nb = 0; nb < key_blocks; ++nb) {
+        if (nb >= visible || !classify_tile(ctx, mask, q0, BM, nb * BN, BN, p.len_q, p.len_k).any_visible) {
+          forward_key_block<T, Acc, DP>(ctx, p, sh, bh, q0, nb * BN, mask, seed, offset);
+        }
       }
     }
   }

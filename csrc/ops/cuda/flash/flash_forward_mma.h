@@ -65,15 +65,17 @@ struct MmaForwardShared {
   FASTMHA_DEVICE T* v(int buffer) const { return k(2 + buffer); }
 };
 
-// Key blocks [first, last) of query block q0 of head bh: S = Q K^T, the online softmax, O += P V. Waits for
-// all of its copies before it returns; the Q tile's copies, if pending, belong to the first block's group.
+// The key blocks of query block q0 of head bh in [0, last) whose tile has a visible score (`visible` true), or
+// those without (false): S = Q K^T, the online softmax, O += P V. Waits for all of its copies before it returns
+// (the Q tile's too, committed before the first call); `load_q` (RowTiles 1) says the Q fragments are still to
+// be read from shared memory, which the first computed block does.
 template <typename T, int DP, int RowTiles, typename Ctx>
 FASTMHA_DEVICE void mma_forward_key_blocks(const Ctx& ctx, const AttentionParams<T, float>& p,
                                            const MmaForwardShared<DP, RowTiles, T>& sh,
-                                           MmaForwardState<DP, RowTiles>& st, int64_t bh, int q0, int first, int last,
-                                           bool load_q, const MaskView& mask, DropoutStream stream) {
+                                           MmaForwardState<DP, RowTiles>& st, int64_t bh, int q0, int last,
+                                           bool visible, bool& load_q, const MaskView& mask, DropoutStream stream) {
   using Tiles = MmaForwardTiles<DP, RowTiles>;
-  constexpr int BN = Tiles::kCols, LD = Tiles::kLd;
+  constexpr int BM = Tiles::kRows, BN = Tiles::kCols, LD = Tiles::kLd;
   constexpr int kTilesN = BN / 8;  // 8-key score tiles per row tile
   const T* k = head_rows(p.k, p.k_stride, bh, p.heads);
   const T* v = head_rows(p.v, p.v_stride, bh, p.heads);
@@ -82,25 +84,44 @@ FASTMHA_DEVICE void mma_forward_key_blocks(const Ctx& ctx, const AttentionParams
   // The lane's first row in the block (of row tile 0; the others are 16 mt and 8 further on).
   const int row0 = ctx.warp() * Tiles::kWarpRows + lane / 4;
   const bool dropout = p.dropout_p > 0.0f;
+  // The next block from `from` on that this call computes, and whether its scores read the mask tensor (a flag,
+  // not a second view: registers are scarce here).
+  auto next_block = [&](int from, bool& reads_mask) {
+    for (int nb = from; nb < last; ++nb) {
+      const TileView tile = classify_tile(ctx, mask, q0, BM, nb * BN, BN, p.len_q, p.len_k);
+      if (tile.any_visible == visible) {
+        reads_mask = !(visible && tile.mask_keeps_all);
+        return nb;
+      }
+    }
+    return last;
+  };
 
+  bool reads_mask = true;
+  int nb = next_block(0, reads_mask);
   ctx.sync();  // the previous call's products are done with the K and V buffers
-  load_tile_async<BN, DP, LD>(ctx, sh.k(0), k, p.k_stride.row, first * BN, p.len_k, p.d_k);
-  ctx.copy_commit();
-  for (int nb = first; nb < last; ++nb) {
-    const int buffer = (nb - first) % 2;
+  if (nb < last) {
+    load_tile_async<BN, DP, LD>(ctx, sh.k(0), k, p.k_stride.row, nb * BN, p.len_k, p.d_k);
+    ctx.copy_commit();
+  }
+  for (int buffer = 0; nb < last; buffer = 1 - buffer) {
     const int k0 = nb * BN;
     const T* k_tile = sh.k(buffer);
     const T* v_tile = sh.v(buffer);
     load_tile_async<BN, DP, LD>(ctx, sh.v(buffer), v, p.v_stride.row, k0, p.len_k, p.d_v);
     ctx.copy_commit();
+    // The block after this one, found here while the copies fly and before the scores take the registers.
+    bool next_reads_mask = true;
+    const int next = next_block(nb + 1, next_reads_mask);
     ctx.template copy_wait<1>();  // this thread's K (and Q) copies have landed
     ctx.sync();                   // and everyone's
     if constexpr (Tiles::kQInRegisters) {
-      if (load_q && nb == first) {
+      if (load_q) {
         FASTMHA_UNROLL
         for (int kk = 0; kk < DP / 16; ++kk) {
           load_a(ctx, st.q[kk], sh.q, LD, ctx.warp() * Tiles::kWarpRows, kk * 16);
         }
+        load_q = false;
       }
     }
     float s[RowTiles][kTilesN][4];
@@ -135,9 +156,9 @@ FASTMHA_DEVICE void mma_forward_key_blocks(const Ctx& ctx, const AttentionParams
         }
       }
     }
-    const bool prefetch = nb + 1 < last;
+    const bool prefetch = next < last;
     if (prefetch) {  // its buffer was last read before this block's barrier
-      load_tile_async<BN, DP, LD>(ctx, sh.k(1 - buffer), k, p.k_stride.row, k0 + BN, p.len_k, p.d_k);
+      load_tile_async<BN, DP, LD>(ctx, sh.k(1 - buffer), k, p.k_stride.row, next * BN, p.len_k, p.d_k);
       ctx.copy_commit();
     }
 
@@ -153,7 +174,7 @@ FASTMHA_DEVICE void mma_forward_key_blocks(const Ctx& ctx, const AttentionParams
           const int i = q0 + row0 + 16 * mt + 8 * (e / 2), j = k0 + 8 * nt + t2 + e % 2;
           float x = -INFINITY;  // keys past Lk do not exist
           if (j < p.len_k) {
-            x = i < p.len_q && mask.masked(i, j) ? kMaskedScore : s[mt][nt][e] * p.scale;
+            x = i < p.len_q && mask.masked(i, j, reads_mask) ? kMaskedScore : s[mt][nt][e] * p.scale;
           }
           s[mt][nt][e] = x;
           block_max[e / 2] = x > block_max[e / 2] ? x : block_max[e / 2];
@@ -213,6 +234,8 @@ FASTMHA_DEVICE void mma_forward_key_blocks(const Ctx& ctx, const AttentionParams
         }
       }
     }
+    nb = next;
+    reads_mask = next_reads_mask;
   }
   ctx.template copy_wait<0>();  // none is pending after a block; this covers a call with no block
 }
@@ -238,16 +261,20 @@ FASTMHA_DEVICE void flash_forward_mma_block(const Ctx& ctx, const AttentionParam
   }
   const T* q = head_rows(p.q, p.q_stride, bh, p.heads);
   load_tile_async<BM, DP, Tiles::kLd>(ctx, sh.q, q, p.q_stride.row, q0, p.len_q, p.d_k);
+  ctx.copy_commit();  // waited for with the first computed block's K, in whichever pass that is
   const auto stream = dropout_stream(p);
-  const MaskView mask = MaskView::of(p, bh);
+  const MaskView mask = flash_mask_view(p, bh);
   const int key_blocks = (p.len_k + BN - 1) / BN;
-  const int visible = visible_key_blocks(p, q0, BM, BN);
-  mma_forward_key_blocks<T, DP, RowTiles>(ctx, p, sh, st, bh, q0, 0, visible, true, mask, stream);
+  // Key blocks in which no row of this block sees a key (masked, or past the causal diagonal) are skipped: they
+  // would add exp(-1e9 - m) = 0 to every row that sees some key.
+  bool load_q = true;
+  mma_forward_key_blocks<T, DP, RowTiles>(ctx, p, sh, st, bh, q0, visible_key_blocks(p, mask, q0, BM, BN), true, load_q,
+                                          mask, stream);
   const int lane = ctx.lane();
   const int row0 = ctx.warp() * Tiles::kWarpRows + lane / 4;
-  if (visible < key_blocks) {
-    // A row masked everywhere so far (a padding mask on top of causal) is uniform over *all* keys: let it
-    // see the skipped blocks too. For every other row they add exp(-1e9 - m) = 0.
+  if (p.mask != nullptr || p.is_causal) {
+    // A row masked everywhere (in the blocks it saw, so in all) is uniform over *all* keys: let it see the
+    // skipped blocks too.
     bool dead = false;
     FASTMHA_UNROLL
     for (int mt = 0; mt < RowTiles; ++mt) {
@@ -257,7 +284,7 @@ FASTMHA_DEVICE void flash_forward_mma_block(const Ctx& ctx, const AttentionParam
       }
     }
     if (ctx.sync_or(dead)) {
-      mma_forward_key_blocks<T, DP, RowTiles>(ctx, p, sh, st, bh, q0, visible, key_blocks, false, mask, stream);
+      mma_forward_key_blocks<T, DP, RowTiles>(ctx, p, sh, st, bh, q0, key_blocks, false, load_q, mask, stream);
     }
   }
   const int t2 = 2 * (lane % 4);

@@ -88,6 +88,8 @@ struct MaskView {
   const bool* base;  // the mask at (b, h), or nullptr
   int64_t row_stride, col_stride;
   bool is_causal;
+  // Whether the flash kernels may skip tiles that no row sees (see flash_mask_view).
+  bool skip_hidden = true;
 
   template <typename Params>
   FASTMHA_DEVICE static MaskView of(const Params& p, int64_t bh) {
@@ -102,23 +104,86 @@ struct MaskView {
   FASTMHA_DEVICE bool masked(int64_t i, int64_t j) const {
     return (is_causal && j > i) || (base != nullptr && !base[i * row_stride + j * col_stride]);
   }
+  // masked(), reading the tensor only when `read_tensor` (false on a tile whose mask entries are all kept).
+  FASTMHA_DEVICE bool masked(int64_t i, int64_t j, bool read_tensor) const {
+    return read_tensor ? masked(i, j) : is_causal && j > i;
+  }
+
+  // The same view without the mask tensor, for a tile whose scores it keeps all (only is_causal remains).
+  FASTMHA_DEVICE MaskView without_tensor() const { return {nullptr, 0, 0, is_causal, skip_hidden}; }
 };
 
+// The flash kernels' view of head bh. A skipped tile leaves out products whose factors are a weight or score
+// gradient of exactly 0 and the other tiles' inputs (V in the forward; Q, K and dO in the backward): the math
+// gives NaN where those hold a NaN or an infinity (0 * inf), so heads where they do skip nothing.
+template <typename T, typename Acc>
+FASTMHA_DEVICE MaskView flash_mask_view(const AttentionParams<T, Acc>& p, int64_t bh) {
+  MaskView view = MaskView::of(p, bh);
+  view.skip_hidden = p.finite_heads == nullptr || p.finite_heads[bh];
+  return view;
+}
+
+// How a tile of scores (query rows [i0, i0 + rows), keys [j0, j0 + cols), cut to Lq x Lk) meets the mask:
+// whether any score is visible (kept by the mask tensor and not past the causal diagonal), and whether the
+// mask tensor keeps every score of the tile (its products then need not read the tensor).
+struct TileView {
+  bool any_visible, mask_keeps_all;
+  // The view a tile's products read.
+  FASTMHA_DEVICE MaskView reads(const MaskView& mask) const { return mask_keeps_all ? mask.without_tensor() : mask; }
+};
+
+// Classifies one tile; without skip_hidden every tile counts as visible. Every thread of the block calls it
+// alike: it reads the mask tensor (no shared memory) and ends with two barriers when there is a tensor, none
+// otherwise. A broadcast dimension (stride 0) is read once: the last row for a row shared by all queries (under
+// is_causal it sees the most keys), the first key for a column shared by all keys (the least hidden by the
+// diagonal).
+template <typename Ctx>
+FASTMHA_DEVICE TileView classify_tile(const Ctx& ctx, const MaskView& mask, int i0, int rows, int j0, int cols,
+                                      int len_q, int len_k) {
+  rows = i0 + rows < len_q ? rows : len_q - i0;
+  cols = j0 + cols < len_k ? cols : len_k - j0;
+  const int last_row = i0 + rows - 1;
+  if (rows <= 0 || cols <= 0) {
+    return {false, false};
+  }
+  if (mask.is_causal && j0 > last_row) {
+    return {!mask.skip_hidden, false};
+  }
+  if (mask.base == nullptr) {
+    return {true, true};
+  }
+  const int scan_rows = mask.row_stride == 0 ? 1 : rows;
+  const int scan_cols = mask.col_stride == 0 ? 1 : cols;
+  const int first_row = mask.row_stride == 0 ? last_row : i0;
+  bool visible = false, dropped = false;
+  // A thread stops once it has seen both kinds: the tile is then mixed whatever the rest holds.
+  for (int idx = ctx.thread(); idx < scan_rows * scan_cols && !(visible && dropped); idx += Ctx::kThreads) {
+    const int64_t i = first_row + idx / scan_cols, j = j0 + idx % scan_cols;
+    const bool kept = mask.base[i * mask.row_stride + j * mask.col_stride];
+    dropped = dropped || !kept;
+    visible = visible || (kept && !(mask.is_causal && j > i));
+  }
+  const bool any_visible = ctx.sync_or(visible) || !mask.skip_hidden;
+  return {any_visible, !ctx.sync_or(dropped)};
+}
+
 // The key blocks (of `cols` keys) that query rows [q0, q0 + rows) compute: all of them, or with is_causal those up
-// to the last row's diagonal (keys past it are masked for every row of the block).
+// to the last row's diagonal (keys past it are masked for every row of the block) where the view skips.
 template <typename Params>
-FASTMHA_DEVICE int visible_key_blocks(const Params& p, int q0, int rows, int cols) {
-  const int last_key = p.is_causal && q0 + rows < p.len_k ? q0 + rows : p.len_k;
+FASTMHA_DEVICE int visible_key_blocks(const Params& p, const MaskView& mask, int q0, int rows, int cols) {
+  const int last_key = p.is_causal && mask.skip_hidden && q0 + rows < p.len_k ? q0 + rows : p.len_k;
   return (last_key + cols - 1) / cols;
 }
 
 // A backward's query step: copies the lse and delta of query rows [q0, q0 + rows) of head bh into shared memory
-// (zeros past Lq) and says whether the step must run against key block k0.. . With is_causal, rows above the key
-// block see none of its keys, unless they are masked everywhere (uniform over all keys, so they still feed dV).
-// Every thread of the block calls it: its barrier also publishes lse and delta.
+// (zeros past Lq) and says whether the step must run against the key block [k0, k0 + cols): when some score of
+// the tile is visible, or some row is masked everywhere (uniform over all keys, so it still feeds dV). A
+// skipped tile adds exactly 0: exp(-1e9 - lse) underflows for every other row, and dS is 0 where masked.
+// `reads_mask` says whether the step must read the mask tensor (see TileView). Every thread of the block calls
+// it: its barrier also publishes lse and delta.
 template <typename Ctx, typename Params, typename Acc>
-FASTMHA_DEVICE bool stage_query_step(const Ctx& ctx, const Params& p, int64_t bh, int q0, int rows, int k0,
-                                     Acc* lse_out, Acc* delta_out) {
+FASTMHA_DEVICE bool stage_query_step(const Ctx& ctx, const Params& p, int64_t bh, int q0, int rows, int k0, int cols,
+                                     const MaskView& mask, bool& reads_mask, Acc* lse_out, Acc* delta_out) {
   const Acc* lse = p.saved_lse + bh * p.len_q;
   const Acc* delta = p.delta + bh * p.len_q;
   bool uniform_row = false;
@@ -129,7 +194,9 @@ FASTMHA_DEVICE bool stage_query_step(const Ctx& ctx, const Params& p, int64_t bh
     uniform_row = uniform_row || (exists && masked_everywhere(lse_out[r]));
   }
   const bool any_uniform_row = ctx.sync_or(uniform_row);
-  return !p.is_causal || q0 + rows - 1 >= k0 || any_uniform_row;
+  const TileView tile = classify_tile(ctx, mask, q0, rows, k0, cols, p.len_q, p.len_k);
+  reads_mask = !tile.mask_keeps_all;
+  return tile.any_visible || any_uniform_row;
 }
 
 // The Philox (seed, offset) of the call's dropout, read from its device copy (rng_state); zeros without dropout.

@@ -27,6 +27,9 @@ struct AttentionParams {
   float dropout_p;
   Acc dropout_scale;         // 1 / (1 - p)
   const int64_t* rng_state;  // device int64[2]: Philox (seed, offset); read only when dropout_p > 0
+  // (B * H): whether head bh's tensors that skipped tiles would meet are finite (see flash_mask_view);
+  // nullptr: they are everywhere.
+  const bool* finite_heads;
   // Forward outputs, contiguous.
   T* out;    // (B, H, Lq, d_v)
   Acc* lse;  // (B, H, Lq): log-sum-exp of the masked, scaled scores
