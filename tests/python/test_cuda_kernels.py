@@ -148,16 +148,17 @@ def test_padded_batches_match_oracle(dtype, d, kind, is_causal):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("where,value", [("v", float("nan")), ("k", float("inf")), ("q", float("inf"))])
-def test_nan_behind_skipped_tiles_propagates_like_the_oracle(dtype, where, value):
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_nan_behind_skipped_tiles_propagates_like_the_oracle(dtype, where, value, is_causal):
     # A hidden key's zero weight times a NaN value is NaN in the math, and so is its zero score gradient times an
     # infinite key or query: heads that hold one skip no tile. Head 1 stays finite.
     q, k, v = inputs(1, 2, 100, 300, 64, 64, dtype)
     mask = padded_mask("keys", [50], 300)
     {"q": q, "k": k, "v": v}[where][0, 0, 200 if where != "q" else 70, 5] = value
     q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
-    out, _ = attention(q, k, v, mask, need_weights=False)
+    out, _ = attention(q, k, v, mask, need_weights=False, is_causal=is_causal)
     grad_out = torch.randn_like(out)
-    ref_out, _, ref_grads = reference(q, k, v, mask, grad_out)
+    ref_out, _, ref_grads = reference(q, k, v, causal_and(mask, 100, 300) if is_causal else mask, grad_out)
     for got, want in zip((out, *torch.autograd.grad(out, (q, k, v), grad_out)), (ref_out, *ref_grads)):
         assert torch.equal(got.isnan().cpu(), want.isnan().cpu())
         assert want[:, 1].isfinite().all()

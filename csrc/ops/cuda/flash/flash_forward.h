@@ -173,7 +173,7 @@ FASTMHA_DEVICE void flash_forward_block(const Ctx& ctx, const AttentionParams<T,
       forward_key_block<T, Acc, DP>(ctx, p, sh, bh, q0, nb * BN, tile.reads(mask), seed, offset);
     }
   }
-  if (p.mask != nullptr || visible < key_blocks) {
+  if (p.mask != nullptr || p.is_causal) {  // else nothing was skipped
     // A row masked everywhere (in the blocks it saw, so in all) is uniform over *all* keys: let it see the
     // skipped blocks too.
     static_assert(BM <= Ctx::kThreads, "one thread per row asks");
