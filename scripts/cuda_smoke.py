@@ -1,7 +1,8 @@
 """Small calls through every fastmha CUDA kernel, for compute-sanitizer (memcheck, racecheck, synccheck).
 
 Both paths (flash and weights kept), forward and backward, every dtype and padded head size, with a mask
-that has fully masked rows, is_causal, dropout and lengths that end mid-tile, in inputs both contiguous and
+that has fully masked rows, is_causal, dropout and lengths that end mid-tile (and the weights kept over rows of
+701, 1500 and 9000 keys, the row kernels' other shapes), in inputs both contiguous and
 transposed (a (B, L, H, d) tensor viewed as (B, H, L, d), which takes the element-wise loads). The calls run
 four times: with FASTMHA_CUDA_KERNELS=own, which sends every call without kept weights to fastmha's flash
 kernels, again with FASTMHA_CUDA_FLASH=mma and mma16 (the register-resident forward and backward in half types
@@ -25,16 +26,20 @@ def cuda_input(x, transposed):
     return x.cuda().requires_grad_(True)
 
 
-def check(dtype, d_k, d_v, need_weights, is_causal, p, transposed, mode):
-    """One forward and backward on the GPU; without dropout its output against the CPU kernels in float64."""
+def check(dtype, d_k, d_v, need_weights, is_causal, p, transposed, mode, len_k=45):
+    """One forward and backward on the GPU; without dropout its output against the CPU kernels in float64. Rows
+    of other than 45 keys also take a gradient through the kept weights (the row kernels' backward)."""
     q = torch.randn(1, 2, 67, d_k, dtype=dtype)
-    k = torch.randn(1, 2, 45, d_k, dtype=dtype)
-    v = torch.randn(1, 2, 45, d_v, dtype=dtype)
-    mask = torch.rand(1, 1, 67, 45) > 0.3
+    k = torch.randn(1, 2, len_k, d_k, dtype=dtype)
+    v = torch.randn(1, 2, len_k, d_v, dtype=dtype)
+    mask = torch.rand(1, 1, 67, len_k) > 0.3
     mask[..., 2, :] = False
     args = [cuda_input(x, transposed) for x in (q, k, v)]
-    out, _ = torch.ops.fastmha.attention(*args, mask.cuda(), p, need_weights, is_causal)
-    out.float().sum().backward()
+    out, weights = torch.ops.fastmha.attention(*args, mask.cuda(), p, need_weights, is_causal)
+    loss = out.float().sum()
+    if need_weights and len_k != 45:
+        loss = loss + weights.float().square().sum()
+    loss.backward()
     torch.cuda.synchronize()
     if p > 0.0:
         return True
@@ -67,6 +72,9 @@ def main():
                             continue  # the calls the mma forward takes
                         transposed = d_k == 16 and not is_causal
                         failures += not check(dtype, d_k, d_v, need_weights, is_causal, p, transposed, mode)
+            if mode == "own":  # the weights-kept row kernels' other shapes: 2 and 8 warps a row, a block a row
+                for len_k, p in ((701, 0.0), (1500, 0.2), (9000, 0.0)):
+                    failures += not check(dtype, 64, 64, True, False, p, False, mode, len_k)
     print(f"cuda_smoke: done, {failures} wrong results")
     return 1 if failures else 0
 

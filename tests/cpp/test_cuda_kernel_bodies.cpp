@@ -321,8 +321,10 @@ void check_flash_mma(const Case& c, const Inputs& in, at::ScalarType dtype) {
   require_forward_close(c, out, lse, reference(c, in, /*with_grad_weights=*/false), dtype, "mma forward");
 }
 
-template <typename T, typename Acc>
-void check_softmax_rows(const Case& c, const Inputs& in, at::ScalarType dtype) {
+// The weights-kept row kernels on the case: forward(p) and backward(p) run them over every row of p.
+template <typename T, typename Acc, typename Forward, typename Backward>
+void check_softmax_rows_with(const Case& c, const Inputs& in, at::ScalarType dtype, const std::string& what,
+                             Forward forward, Backward backward) {
   const int64_t longest = longest_reduction(c);
   const auto acc = at::toOpMathType(dtype);
   const auto mask_view = mask_view_of(in);
@@ -333,14 +335,11 @@ void check_softmax_rows(const Case& c, const Inputs& in, at::ScalarType dtype) {
   auto lse = at::empty({c.batch, c.heads, c.len_q}, acc);
   p.weights = weights.template data_ptr<T>();
   p.lse = lse.template data_ptr<Acc>();
-  const size_t scratch_bytes = kRowThreads / 32 * sizeof(Acc);
-  run_blocks<kRowThreads>(p.rows, scratch_bytes, [&](auto ctx, char* smem, int64_t row) {
-    softmax_forward_row<T, Acc>(ctx, p, reinterpret_cast<Acc*>(smem), row);
-  });
+  forward(p);
   const auto want = reference(c, in, /*with_grad_weights=*/true);
-  require_close(weights, want.weights, dtype, longest, "softmax weights");
+  require_close(weights, want.weights, dtype, longest, what + " weights");
   const auto live = want.lse > -1e8;
-  require_close(lse.to(at::kDouble).masked_select(live), want.lse.masked_select(live), dtype, longest, "softmax lse");
+  require_close(lse.to(at::kDouble).masked_select(live), want.lse.masked_select(live), dtype, longest, what + " lse");
 
   const auto grad_weights =
       (at::matmul(in.grad_out.to(acc), in.v.to(acc).transpose(-2, -1)) + in.grad_weights.to(acc)).contiguous();
@@ -349,14 +348,57 @@ void check_softmax_rows(const Case& c, const Inputs& in, at::ScalarType dtype) {
   p.grad_weights = grad_weights.template const_data_ptr<Acc>();
   p.grad_scores = grad_scores.template data_ptr<T>();
   weights.fill_(-7);  // the backward writes them again
-  run_blocks<kRowThreads>(p.rows, scratch_bytes, [&](auto ctx, char* smem, int64_t row) {
-    softmax_backward_row<T, Acc>(ctx, p, reinterpret_cast<Acc*>(smem), row);
-  });
-  require_close(weights, want.weights, dtype, longest, "softmax backward weights");
+  backward(p);
+  require_close(weights, want.weights, dtype, longest, what + " backward weights");
   const auto ds = grad_scores.to(at::kDouble);
-  require_close(products(ds, in.k.to(at::kDouble).transpose(-2, -1)), want.grad_q, dtype, longest, "softmax grad_q");
+  require_close(products(ds, in.k.to(at::kDouble).transpose(-2, -1)), want.grad_q, dtype, longest, what + " grad_q");
   require_close(products(ds.transpose(-2, -1), in.q.to(at::kDouble).transpose(-2, -1)), want.grad_k, dtype, longest,
-                "softmax grad_k");
+                what + " grad_k");
+}
+
+// Rows held in registers with the shape Rows, in blocks of Threads threads (whole row groups per block).
+template <typename Rows, int Threads, typename T, typename Acc>
+void check_register_rows(const Case& c, const Inputs& in, at::ScalarType dtype, const std::string& what) {
+  REQUIRE(c.len_k <= Rows::kCapacity);
+  constexpr int kRowsPerBlock = Threads / Rows::kThreadsPerRow;
+  const size_t scratch_bytes = Threads / 32 * sizeof(Acc);
+  const auto blocks = [&](const auto& p) { return (p.rows + kRowsPerBlock - 1) / kRowsPerBlock; };
+  check_softmax_rows_with<T, Acc>(
+      c, in, dtype, what,
+      [&](const auto& p) {
+        run_blocks<Threads>(blocks(p), scratch_bytes, [&](auto ctx, char* smem, int64_t b) {
+          softmax_forward_register_rows<Rows, T, Acc>(ctx, p, reinterpret_cast<Acc*>(smem), b);
+        });
+      },
+      [&](const auto& p) {
+        run_blocks<Threads>(blocks(p), scratch_bytes, [&](auto ctx, char* smem, int64_t b) {
+          softmax_backward_register_rows<Rows, T, Acc>(ctx, p, reinterpret_cast<Acc*>(smem), b);
+        });
+      });
+}
+
+// A block per row, and rows in registers: one warp per row (two rows per block; one of three rows per block,
+// where the last block has rows past the end: the cases have B H Lq of 4, 200 or 280 rows), and two warps per
+// row (their reduction through shared memory). Runs of four are vector accesses when Lk % 4 == 0 (Lk 100 and
+// 160 of the cases) and scalar ones otherwise (45, 130, 150).
+template <typename T, typename Acc>
+void check_softmax_rows(const Case& c, const Inputs& in, at::ScalarType dtype) {
+  const size_t scratch_bytes = kRowThreads / 32 * sizeof(Acc);
+  check_softmax_rows_with<T, Acc>(
+      c, in, dtype, "softmax",
+      [&](const auto& p) {
+        run_blocks<kRowThreads>(p.rows, scratch_bytes, [&](auto ctx, char* smem, int64_t row) {
+          softmax_forward_row<T, Acc>(ctx, p, reinterpret_cast<Acc*>(smem), row);
+        });
+      },
+      [&](const auto& p) {
+        run_blocks<kRowThreads>(p.rows, scratch_bytes, [&](auto ctx, char* smem, int64_t row) {
+          softmax_backward_row<T, Acc>(ctx, p, reinterpret_cast<Acc*>(smem), row);
+        });
+      });
+  check_register_rows<RegisterRows<1, 2>, kRowThreads, T, Acc>(c, in, dtype, "register rows (warp, 2 runs)");
+  check_register_rows<RegisterRows<1, 8>, 96, T, Acc>(c, in, dtype, "register rows (warp, 8 runs, 3 a block)");
+  check_register_rows<RegisterRows<2, 1>, kRowThreads, T, Acc>(c, in, dtype, "register rows (2 warps)");
 }
 
 template <typename T, typename Acc>
@@ -507,4 +549,22 @@ void check_far_below_masked(at::ScalarType dtype) {
 TEST_CASE("CUDA flash forwards (emulated) spread a row scored far below -1e9 over the hidden keys", "[cuda-bodies]") {
   check_far_below_masked<float, float>(at::kFloat);
   check_far_below_masked<c10::BFloat16, float>(at::kBFloat16);
+}
+
+TEST_CASE("The weights-kept row kernels hold every row of up to 8192 keys in registers, the shortest shape that fits",
+          "[cuda-bodies]") {
+  const int64_t lengths[] = {1, 511, 512, 513, 1024, 1025, 8192};
+  for (const auto len_k : lengths) {
+    int64_t capacity = 0;
+    REQUIRE(with_register_rows(len_k, [&](auto rows) { capacity = decltype(rows)::kCapacity; }));
+    INFO("Lk " << len_k << " capacity " << capacity);
+    CHECK(capacity >= len_k);
+    // No smaller shape would have held the row.
+    const int64_t smaller = capacity == kMaxRegisterKeys                 ? RegisterRowsPerPair::kCapacity
+                            : capacity == RegisterRowsPerPair::kCapacity ? RegisterRowsPerWarp::kCapacity
+                                                                         : 0;
+    CHECK(len_k > smaller);
+  }
+  CHECK_FALSE(with_register_rows(8193, [](auto) {}));
+  CHECK(kMaxRegisterKeys == 8192);
 }

@@ -47,7 +47,7 @@ AttentionParams<T, Acc> params(int d, int64_t batch_heads = 16) {
 }
 
 template <typename T, typename Acc>
-SoftmaxRowsParams<T, Acc> row_params() {
+SoftmaxRowsParams<T, Acc> row_params(int len_k = 200) {
   static char dummy[64];
   SoftmaxRowsParams<T, Acc> p{};
   p.scores = reinterpret_cast<const Acc*>(dummy);
@@ -55,7 +55,7 @@ SoftmaxRowsParams<T, Acc> row_params() {
   p.rows = 16 * 300;
   p.heads = 8;
   p.len_q = 300;
-  p.len_k = 200;
+  p.len_k = len_k;
   p.scale = Acc(0.125);
   return p;
 }
@@ -171,11 +171,16 @@ TEST_CASE("A100: every flash kernel fits its 163 KiB of shared memory", "[launch
 
 TEST_CASE("The weights-kept row kernels launch without opting in", "[launch]") {
   if (!build_runs_on(90, 227 * kKiB)) return;
-  REQUIRE_NOTHROW(launch_softmax_forward((row_params<float, float>()), nullptr));
-  REQUIRE_NOTHROW(launch_softmax_backward((row_params<c10::BFloat16, float>()), nullptr));
-  REQUIRE_NOTHROW(launch_softmax_forward((row_params<double, double>()), nullptr));
-  REQUIRE_NOTHROW(launch_softmax_backward((row_params<c10::Half, float>()), nullptr));
-  CHECK(fastmha_standin_launches() == 4);
+  // Rows in registers (one warp up to 512 keys, two up to 1024, eight up to 8192) and a block per longer row.
+  const int lengths[] = {200, 1000, 5000, 9000};
+  for (const int len_k : lengths) {
+    INFO("Lk " << len_k);
+    REQUIRE_NOTHROW(launch_softmax_forward((row_params<float, float>(len_k)), nullptr));
+    REQUIRE_NOTHROW(launch_softmax_backward((row_params<c10::BFloat16, float>(len_k)), nullptr));
+    REQUIRE_NOTHROW(launch_softmax_forward((row_params<double, double>(len_k)), nullptr));
+    REQUIRE_NOTHROW(launch_softmax_backward((row_params<c10::Half, float>(len_k)), nullptr));
+  }
+  CHECK(fastmha_standin_launches() == 4 * 4);
 }
 
 template <int DP>

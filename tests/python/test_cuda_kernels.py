@@ -261,6 +261,28 @@ def test_dropout_is_reproducible_shared_by_both_paths_and_replayed_by_backward(d
         check(dtype, got, want, grads=True)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lk", [701, 1500, 4098, 9000])
+def test_weights_kept_long_rows_match_oracle(kernel_mode, dtype, lk):
+    # The row kernels hold a row in registers over two warps (up to 1024 keys) and eight (up to 8192), and give
+    # longer rows a block each; Lk % 4 != 0 takes scalar loads instead of vector ones.
+    if kernel_mode != "auto":
+        pytest.skip("the weights-kept path is the same in every kernel mode")
+    p = 0.1
+    q, k, v = inputs(1, 2, 33, lk, 64, 64, dtype, strided=True)
+    mask = mask_with_dead_rows(1, 33, lk, torch.bool)
+    keep = keep_mask_of(q, k, v, mask, p, False, seed=5)
+    q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
+    torch.manual_seed(5)
+    out, weights = attention(q, k, v, mask, p, need_weights=True)
+    grad_out, grad_weights = torch.randn_like(out), torch.randn_like(weights)
+    ref_out, ref_weights, ref_grads = reference(q, k, v, mask, grad_out, grad_weights, keep=keep, p=p)
+    check(dtype, out, ref_out)
+    check(dtype, weights, ref_weights)
+    for got, want in zip(torch.autograd.grad((out, weights), (q, k, v), (grad_out, grad_weights)), ref_grads):
+        check(dtype, got, want, grads=True)
+
+
 @pytest.mark.parametrize("need_weights", [False, True])
 def test_gradcheck_float64(need_weights):
     q, k, v = (x.requires_grad_(True) for x in inputs(1, 2, 9, 13, 5, 7, torch.float64))

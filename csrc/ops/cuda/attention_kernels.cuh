@@ -58,16 +58,25 @@ __global__ void __launch_bounds__(kFlashThreads) flash_backward_kernel(Attention
                                    static_cast<int>(block % key_blocks));
 }
 
-template <typename T, typename Acc>
-__global__ void __launch_bounds__(kRowThreads) softmax_forward_kernel(SoftmaxRowsParams<T, Acc> p) {
+// The row kernels, forward or backward: a block per row, or (RegisterRows) row groups holding rows in registers.
+template <bool Backward, typename T, typename Acc>
+__global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(SoftmaxRowsParams<T, Acc> p) {
   __shared__ Acc scratch[kRowThreads / 32];
-  softmax_forward_row<T, Acc>(DeviceThreads<kRowThreads>{}, p, scratch, blockIdx.x);
+  if constexpr (Backward) {
+    softmax_backward_row<T, Acc>(DeviceThreads<kRowThreads>{}, p, scratch, blockIdx.x);
+  } else {
+    softmax_forward_row<T, Acc>(DeviceThreads<kRowThreads>{}, p, scratch, blockIdx.x);
+  }
 }
 
-template <typename T, typename Acc>
-__global__ void __launch_bounds__(kRowThreads) softmax_backward_kernel(SoftmaxRowsParams<T, Acc> p) {
+template <bool Backward, typename Rows, typename T, typename Acc>
+__global__ void __launch_bounds__(kRowThreads) softmax_register_rows_kernel(SoftmaxRowsParams<T, Acc> p) {
   __shared__ Acc scratch[kRowThreads / 32];
-  softmax_backward_row<T, Acc>(DeviceThreads<kRowThreads>{}, p, scratch, blockIdx.x);
+  if constexpr (Backward) {
+    softmax_backward_register_rows<Rows, T, Acc>(DeviceThreads<kRowThreads>{}, p, scratch, blockIdx.x);
+  } else {
+    softmax_forward_register_rows<Rows, T, Acc>(DeviceThreads<kRowThreads>{}, p, scratch, blockIdx.x);
+  }
 }
 
 inline unsigned int grid_size(int64_t blocks, const char* what) {
@@ -172,22 +181,33 @@ void launch_flash_backward(const AttentionParams<T, Acc>& p, cudaStream_t stream
   with_padded_head_dim(flash_head_dim(p), [&](auto dp) { flash_backward_for<decltype(dp)::value>(p, stream); });
 }
 
-template <typename T, typename Acc>
-void launch_softmax_forward(const SoftmaxRowsParams<T, Acc>& p, cudaStream_t stream) {
+// Blocks of kRowThreads threads: rows that fit in registers a row group each (several per block), longer ones
+// a block each.
+template <bool Backward, typename T, typename Acc>
+void launch_softmax_rows(const SoftmaxRowsParams<T, Acc>& p, cudaStream_t stream, const char* what) {
   if (p.rows == 0) {
     return;
   }
-  softmax_forward_kernel<T, Acc><<<grid_size(p.rows, "the attention softmax"), kRowThreads, 0, stream>>>(p);
-  check_launch("the attention softmax");
+  const bool in_registers = with_register_rows(p.len_k, [&](auto rows) {
+    using Rows = decltype(rows);
+    constexpr int kRowsPerBlock = kRowThreads / Rows::kThreadsPerRow;
+    softmax_register_rows_kernel<Backward, Rows, T, Acc>
+        <<<grid_size((p.rows + kRowsPerBlock - 1) / kRowsPerBlock, what), kRowThreads, 0, stream>>>(p);
+  });
+  if (!in_registers) {
+    softmax_rows_kernel<Backward, T, Acc><<<grid_size(p.rows, what), kRowThreads, 0, stream>>>(p);
+  }
+  check_launch(what);
+}
+
+template <typename T, typename Acc>
+void launch_softmax_forward(const SoftmaxRowsParams<T, Acc>& p, cudaStream_t stream) {
+  launch_softmax_rows<false>(p, stream, "the attention softmax");
 }
 
 template <typename T, typename Acc>
 void launch_softmax_backward(const SoftmaxRowsParams<T, Acc>& p, cudaStream_t stream) {
-  if (p.rows == 0) {
-    return;
-  }
-  softmax_backward_kernel<T, Acc><<<grid_size(p.rows, "the attention softmax backward"), kRowThreads, 0, stream>>>(p);
-  check_launch("the attention softmax backward");
+  launch_softmax_rows<true>(p, stream, "the attention softmax backward");
 }
 
 }  // namespace fastmha::cuda_kernels
