@@ -56,13 +56,18 @@ FASTMHA_HOST_DEVICE Block random4(uint64_t seed, uint64_t offset, uint64_t count
   return {{c0, c1, c2, c3}};
 }
 
+// Word i (0..3) of a block, by selects: a GPU keeps an array indexed at run time in local memory.
+FASTMHA_HOST_DEVICE uint32_t word_at(const Block& block, int i) {
+  return i == 0 ? block.word[0] : i == 1 ? block.word[1] : i == 2 ? block.word[2] : block.word[3];
+}
+
 // Uniform in [0, 1) with 24 bits (exact in float) from one 32-bit word.
 FASTMHA_HOST_DEVICE float to_uniform(uint32_t word) { return static_cast<float>(word >> 8) * (1.0f / 16777216.0f); }
 
 // The uniform draw of element `index`: word index % 4 of the block at counter index / 4. Kernels that walk
 // elements in order compute each block once and use its four words.
 FASTMHA_HOST_DEVICE float uniform(uint64_t seed, uint64_t offset, uint64_t index) {
-  return to_uniform(random4(seed, offset, index >> 2).word[index & 3]);
+  return to_uniform(word_at(random4(seed, offset, index >> 2), static_cast<int>(index & 3)));
 }
 
 // The multiplier dropout applies to element `index`: 0 (dropped, probability p) or 1 / (1 - p).

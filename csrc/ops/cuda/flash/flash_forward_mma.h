@@ -34,14 +34,11 @@ struct MmaForwardTiles {
 template <typename Acc>
 FASTMHA_DEVICE void dropout_multipliers2(uint64_t seed, uint64_t offset, uint64_t first, float p, Acc scale,
                                          Acc out[2]) {
-  // Words picked by selects, not by a run-time index, which would put the block in local memory.
   const philox::Block lo = philox::random4(seed, offset, first >> 2);
   const int at = static_cast<int>(first & 3);
-  const uint32_t word0 = at == 0 ? lo.word[0] : at == 1 ? lo.word[1] : at == 2 ? lo.word[2] : lo.word[3];
-  const uint32_t word1 = at == 0   ? lo.word[1]
-                         : at == 1 ? lo.word[2]
-                         : at == 2 ? lo.word[3]
-                                   : philox::random4(seed, offset, (first >> 2) + 1).word[0];
+  const uint32_t word0 = philox::word_at(lo, at);
+  const uint32_t word1 =
+      at == 3 ? philox::random4(seed, offset, (first >> 2) + 1).word[0] : philox::word_at(lo, at + 1);
   out[0] = philox::to_uniform(word0) >= p ? scale : Acc(0);
   out[1] = philox::to_uniform(word1) >= p ? scale : Acc(0);
 }

@@ -222,9 +222,11 @@ FASTMHA_DEVICE void dropout_multipliers4(uint64_t seed, uint64_t offset, uint64_
   if ((first & 3) != 0) {
     hi = philox::random4(seed, offset, counter + 1);
   }
+  FASTMHA_UNROLL
   for (int t = 0; t < 4; ++t) {
     const uint64_t index = first + t;
-    const uint32_t word = (index >> 2) == counter ? lo.word[index & 3] : hi.word[index & 3];
+    const int at = static_cast<int>(index & 3);
+    const uint32_t word = (index >> 2) == counter ? philox::word_at(lo, at) : philox::word_at(hi, at);
     out[t] = philox::to_uniform(word) >= p ? scale : Acc(0);
   }
 }
