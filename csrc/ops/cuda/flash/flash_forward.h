@@ -69,11 +69,12 @@ struct ForwardShared {
   }
 };
 
-// One key block: S = Q K^T, the online-softmax update of each row, O = alpha O + P V.
+// One key block: S = Q K^T, the online-softmax update of each row, O = alpha O + P V. `reads_mask` is false on a
+// tile whose mask entries are all kept (only the causal cut applies there).
 template <typename T, typename Acc, int DP, typename Ctx>
 FASTMHA_DEVICE void forward_key_block(const Ctx& ctx, const AttentionParams<T, Acc>& p,
                                       const ForwardShared<T, Acc, DP>& sh, int64_t bh, int q0, int k0,
-                                      const MaskView& mask, uint64_t seed, uint64_t offset) {
+                                      const MaskView& mask, bool reads_mask, uint64_t seed, uint64_t offset) {
   using Tiles = ForwardTiles<T, Acc, DP>;
   constexpr int BM = Tiles::kRows, BN = Tiles::kCols;
   ctx.sync();  // the previous block's products are done with k, v and p
@@ -104,7 +105,7 @@ FASTMHA_DEVICE void forward_key_block(const Ctx& ctx, const AttentionParams<T, A
       const int j = lane + 32 * c;
       score[c] = -Acc(INFINITY);
       if (j < width) {
-        score[c] = row_exists && mask.masked(i, k0 + j) ? Acc(kMaskedScore) : s[j] * p.scale;
+        score[c] = row_exists && mask.masked(i, k0 + j, reads_mask) ? Acc(kMaskedScore) : s[j] * p.scale;
         local_max = score[c] > local_max ? score[c] : local_max;
       }
     }
@@ -170,7 +171,7 @@ FASTMHA_DEVICE void flash_forward_block(const Ctx& ctx, const AttentionParams<T,
   for (int nb = 0; nb < visible; ++nb) {
     const TileView tile = classify_tile(ctx, mask, q0, BM, nb * BN, BN, p.len_q, p.len_k);
     if (tile.any_visible) {
-      forward_key_block<T, Acc, DP>(ctx, p, sh, bh, q0, nb * BN, tile.reads(mask), seed, offset);
+      forward_key_block<T, Acc, DP>(ctx, p, sh, bh, q0, nb * BN, mask, !tile.mask_keeps_all, seed, offset);
     }
   }
   if (p.mask != nullptr || p.is_causal) {  // else nothing was skipped
@@ -182,7 +183,7 @@ FASTMHA_DEVICE void flash_forward_block(const Ctx& ctx, const AttentionParams<T,
     if (ctx.sync_or(r < BM && q0 + r < p.len_q && sh.m[r] < Acc(kMaskedScore / 2))) {
       for (int nb = 0; nb < key_blocks; ++nb) {
         if (nb >= visible || !classify_tile(ctx, mask, q0, BM, nb * BN, BN, p.len_q, p.len_k).any_visible) {
-          forward_key_block<T, Acc, DP>(ctx, p, sh, bh, q0, nb * BN, mask, seed, offset);
+          forward_key_block<T, Acc, DP>(ctx, p, sh, bh, q0, nb * BN, mask, /*reads_mask=*/true, seed, offset);
         }
       }
     }

@@ -108,9 +108,6 @@ struct MaskView {
   FASTMHA_DEVICE bool masked(int64_t i, int64_t j, bool read_tensor) const {
     return read_tensor ? masked(i, j) : is_causal && j > i;
   }
-
-  // The same view without the mask tensor, for a tile whose scores it keeps all (only is_causal remains).
-  FASTMHA_DEVICE MaskView without_tensor() const { return {nullptr, 0, 0, is_causal, skip_hidden}; }
 };
 
 // The flash kernels' view of head bh. A skipped tile leaves out products whose factors are a weight or score
@@ -128,8 +125,6 @@ FASTMHA_DEVICE MaskView flash_mask_view(const AttentionParams<T, Acc>& p, int64_
 // mask tensor keeps every score of the tile (its products then need not read the tensor).
 struct TileView {
   bool any_visible, mask_keeps_all;
-  // The view a tile's products read.
-  FASTMHA_DEVICE MaskView reads(const MaskView& mask) const { return mask_keeps_all ? mask.without_tensor() : mask; }
 };
 
 // Classifies one tile; without skip_hidden every tile counts as visible. Every thread of the block calls it
