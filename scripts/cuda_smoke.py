@@ -2,7 +2,7 @@
 
 Both paths (flash and weights kept), forward and backward, every dtype and padded head size, with a mask
 that has fully masked rows, is_causal, dropout and lengths that end mid-tile (and the weights kept over rows of
-701, 1500 and 9000 keys, the row kernels' other shapes), in inputs both contiguous and
+256 to 9000 keys, every shape of the row kernels), in inputs both contiguous and
 transposed (a (B, L, H, d) tensor viewed as (B, H, L, d), which takes the element-wise loads). The calls run
 four times: with FASTMHA_CUDA_KERNELS=own, which sends every call without kept weights to fastmha's flash
 kernels, again with FASTMHA_CUDA_FLASH=mma and mma16 (the register-resident forward and backward in half types
@@ -72,8 +72,8 @@ def main():
                             continue  # the calls the mma forward takes
                         transposed = d_k == 16 and not is_causal
                         failures += not check(dtype, d_k, d_v, need_weights, is_causal, p, transposed, mode)
-            if mode == "own":  # the weights-kept row kernels' other shapes: 2 and 8 warps a row, a block a row
-                for len_k, p in ((701, 0.0), (1500, 0.2), (9000, 0.0)):
+            if mode == "own":  # the weights-kept row kernels' shapes with vector and scalar runs, a block a row
+                for len_k, p in ((256, 0.0), (701, 0.0), (1500, 0.2), (2048, 0.0), (4098, 0.0), (9000, 0.0)):
                     failures += not check(dtype, 64, 64, True, False, p, False, mode, len_k)
     print(f"cuda_smoke: done, {failures} wrong results")
     return 1 if failures else 0

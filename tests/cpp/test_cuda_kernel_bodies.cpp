@@ -377,10 +377,11 @@ void check_register_rows(const Case& c, const Inputs& in, at::ScalarType dtype, 
       });
 }
 
-// A block per row, and rows in registers: one warp per row (two rows per block; one of three rows per block,
-// where the last block has rows past the end: the cases have B H Lq of 4, 200 or 280 rows), and two warps per
-// row (their reduction through shared memory). Runs of four are vector accesses when Lk % 4 == 0 (Lk 100 and
-// 160 of the cases) and scalar ones otherwise (45, 130, 150).
+// A block per row, and rows in registers: one warp per row (the GPU's shape for up to 512 keys, two rows per
+// block; and with 8 runs, three rows per block, where the last block has rows past the end: the cases have B H Lq
+// of 4, 200 or 280 rows), and two warps per row (the GPU's shape up to 1024 keys: their reduction through shared
+// memory). Runs of four are vector accesses when Lk % 4 == 0 (Lk 100 and 160 of the cases) and scalar ones
+// otherwise (45, 130, 150).
 template <typename T, typename Acc>
 void check_softmax_rows(const Case& c, const Inputs& in, at::ScalarType dtype) {
   const size_t scratch_bytes = kRowThreads / 32 * sizeof(Acc);
@@ -396,9 +397,9 @@ void check_softmax_rows(const Case& c, const Inputs& in, at::ScalarType dtype) {
           softmax_backward_row<T, Acc>(ctx, p, reinterpret_cast<Acc*>(smem), row);
         });
       });
-  check_register_rows<RegisterRows<1, 2>, kRowThreads, T, Acc>(c, in, dtype, "register rows (warp, 2 runs)");
+  check_register_rows<RegisterRowsPerWarp, kRowThreads, T, Acc>(c, in, dtype, "register rows (warp)");
   check_register_rows<RegisterRows<1, 8>, 96, T, Acc>(c, in, dtype, "register rows (warp, 8 runs, 3 a block)");
-  check_register_rows<RegisterRows<2, 1>, kRowThreads, T, Acc>(c, in, dtype, "register rows (2 warps)");
+  check_register_rows<RegisterRowsPerPair, kRowThreads, T, Acc>(c, in, dtype, "register rows (2 warps)");
 }
 
 template <typename T, typename Acc>
@@ -567,4 +568,37 @@ TEST_CASE("The weights-kept row kernels hold every row of up to 8192 keys in reg
   }
   CHECK_FALSE(with_register_rows(8193, [](auto) {}));
   CHECK(kMaxRegisterKeys == 8192);
+}
+
+namespace {
+struct OneThread {  // the part of a thread context that a row group's place reads
+  static constexpr int kWarps = 1;
+  int warp() const { return 0; }
+  int thread() const { return 0; }
+};
+}  // namespace
+
+TEST_CASE("Register rows take vector accesses only where every row and buffer starts on a run's size",
+          "[cuda-bodies]") {
+  alignas(64) static float scores[16];
+  alignas(64) static c10::Half weights[16];
+  SoftmaxRowsParams<c10::Half, float> p{};
+  p.rows = p.heads = p.len_q = 1;
+  p.len_k = 8;
+  p.scores = scores;
+  p.weights = weights;
+  const auto vector = [&] { return RegisterRowPlace<RegisterRowsPerWarp, c10::Half, float>(OneThread{}, p, 0).vector; };
+  CHECK(vector());
+  p.len_k = 6;  // rows start between runs
+  CHECK_FALSE(vector());
+  p.len_k = 8;
+  p.weights = weights + 1;
+  CHECK_FALSE(vector());
+  p.weights = weights + 4;  // 8 bytes: a run of four halves
+  CHECK(vector());
+  p.scores = scores + 2;
+  CHECK_FALSE(vector());
+  p.scores = scores;
+  p.grad_scores = weights + 2;
+  CHECK_FALSE(vector());
 }

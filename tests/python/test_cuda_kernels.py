@@ -262,7 +262,7 @@ def test_dropout_is_reproducible_shared_by_both_paths_and_replayed_by_backward(d
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("lk", [701, 1500, 4098, 9000])
+@pytest.mark.parametrize("lk", [701, 1500, 2048, 4098, 9000])
 def test_weights_kept_long_rows_match_oracle(kernel_mode, dtype, lk):
     # The row kernels hold a row in registers over two warps (up to 1024 keys) and eight (up to 8192), and give
     # longer rows a block each; Lk % 4 != 0 takes scalar loads instead of vector ones.

@@ -6,6 +6,8 @@
 // read their scores once per pass.
 #pragma once
 
+#include <cstdint>
+
 #include "ops/cuda/flash/kernel_common.h"
 
 namespace fastmha::cuda_kernels {
@@ -221,9 +223,15 @@ FASTMHA_DEVICE Acc row_group_reduce(const Ctx& ctx, Acc* scratch, Acc value, Op 
   return value;
 }
 
+// Whether `data` (or nullptr) lies on a multiple of a run's size.
+template <typename A>
+FASTMHA_DEVICE bool run_aligned(const A* data) {
+  return reinterpret_cast<uintptr_t>(data) % sizeof(Run4<A>) == 0;
+}
+
 // Where thread t of a row group stands: its row (live when below p.rows; a group past the last row takes part in
 // the barriers only, with row 0 and no valid keys) and that row's scores, its first key, and whether runs of four
-// are aligned for vector accesses (every row starts at a multiple of four elements).
+// are aligned for vector accesses.
 template <typename Rows, typename T, typename Acc>
 struct RegisterRowPlace {
   int64_t row;
@@ -236,7 +244,10 @@ struct RegisterRowPlace {
     row = block * (Ctx::kWarps / Rows::kWarps) + ctx.warp() / Rows::kWarps;
     live = row < p.rows;
     row = live ? row : 0;
-    vector = p.len_k % 4 == 0;
+    // Every row starts at a multiple of four elements, and the buffers (fresh allocations today) at a multiple of
+    // the run's size: a misaligned vector access faults on a GPU.
+    vector = p.len_k % 4 == 0 && run_aligned(p.scores) && run_aligned(p.grad_weights) && run_aligned(p.weights) &&
+             run_aligned(p.grad_scores);
     t = ctx.thread() % Rows::kThreadsPerRow;
     score = score_row(p, row);
   }
@@ -325,7 +336,7 @@ FASTMHA_DEVICE void softmax_backward_register_rows(const Ctx& ctx, const Softmax
   const Acc* grad_weights = p.grad_weights + at.row * p.len_k;
   T* weights = p.weights + at.row * p.len_k;
   Acc prob[Rows::kChunks][4], grad_p[Rows::kChunks][4];
-  uint32_t masked_bits = 0;  // bit 4 c + e: key 4 of run c is masked
+  uint32_t masked_bits = 0;  // bit 4 c + e: key e of run c is masked
   Acc dot = 0;               // sum_j dP_j P_j
   for_each_run_with_dropout(at, p, [&](int c, int j0, int valid, const Acc keep[4]) {
     load_run(at.score.scores + j0, valid, at.vector, prob[c]);
