@@ -86,10 +86,11 @@ FASTMHA_DEVICE void forward_key_block(const Ctx& ctx, const AttentionParams<T, A
   block_gemm<false, true, false, BM, BN, DP>(ctx, sh.q, Tiles::kLd, sh.k, Tiles::kLd, sh.s, Tiles::kLdS);
   ctx.sync();
   // The online-softmax update: each warp owns BM / kWarps rows, its lanes split a row's columns, and warp
-  // reductions give the row's max and sum (conflict-free shared reads: lanes walk along a row).
+  // reductions give the row's max and sum. A lane's columns are consecutive keys, so that with two of them
+  // (BN = 64) they share their Philox block.
   constexpr int kRowsPerWarp = BM / Ctx::kWarps;
   constexpr int kColsPerLane = (BN + 31) / 32;
-  static_assert(BM % Ctx::kWarps == 0, "whole rows per warp");
+  static_assert(BM % Ctx::kWarps == 0 && kColsPerLane <= 2, "whole rows per warp, at most two columns per lane");
   const int lane = ctx.lane();
   const bool dropout = p.dropout_p > 0.0f;
   const int width = p.len_k - k0 < BN ? p.len_k - k0 : BN;
@@ -102,7 +103,7 @@ FASTMHA_DEVICE void forward_key_block(const Ctx& ctx, const AttentionParams<T, A
     Acc score[kColsPerLane];
     Acc local_max = -Acc(INFINITY);
     for (int c = 0; c < kColsPerLane; ++c) {
-      const int j = lane + 32 * c;
+      const int j = kColsPerLane * lane + c;
       score[c] = -Acc(INFINITY);
       if (j < width) {
         score[c] = row_exists && mask.masked(i, k0 + j, reads_mask) ? Acc(kMaskedScore) : s[j] * p.scale;
@@ -113,17 +114,21 @@ FASTMHA_DEVICE void forward_key_block(const Ctx& ctx, const AttentionParams<T, A
     const Acc block_max = ctx.warp_all_reduce(local_max, MaxOp{});
     const Acc m_new = block_max > m_old ? block_max : m_old;
     Acc local_sum = 0;
-    const uint64_t row_index = (static_cast<uint64_t>(bh) * p.len_q + i) * p.len_k + k0;
+    const uint64_t first = (static_cast<uint64_t>(bh) * p.len_q + i) * p.len_k + k0 + kColsPerLane * lane;
+    Acc keep[2] = {1, 1};
+    if (dropout && row_exists && kColsPerLane * lane < width) {
+      if constexpr (kColsPerLane == 2) {
+        dropout_multipliers2(seed, offset, first, p.dropout_p, p.dropout_scale, keep);
+      } else {
+        keep[0] = philox::keep_scale(seed, offset, first, p.dropout_p, p.dropout_scale);
+      }
+    }
     for (int c = 0; c < kColsPerLane; ++c) {
-      const int j = lane + 32 * c;
+      const int j = kColsPerLane * lane + c;
       if (j < width) {
         const Acc e = exp_acc(score[c] - m_new);
         local_sum += e;
-        Acc keep = 1;
-        if (dropout && row_exists) {
-          keep = philox::keep_scale(seed, offset, row_index + j, p.dropout_p, p.dropout_scale);
-        }
-        prob[j] = T(e * keep);
+        prob[j] = T(e * keep[c]);
       } else if (j < BN) {
         prob[j] = T(0.0f);  // keys past Lk do not exist
       }

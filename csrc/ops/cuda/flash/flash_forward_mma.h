@@ -29,20 +29,6 @@ struct MmaForwardTiles {
   static_assert((RowTiles == 1 || RowTiles == 2) && DP % 16 == 0 && kSharedBytes <= kSharedBudget, "mma forward tiles");
 };
 
-// Dropout multipliers of the scores at flat indices first and first + 1 (one Philox block, or two across a
-// block boundary).
-template <typename Acc>
-FASTMHA_DEVICE void dropout_multipliers2(uint64_t seed, uint64_t offset, uint64_t first, float p, Acc scale,
-                                         Acc out[2]) {
-  const philox::Block lo = philox::random4(seed, offset, first >> 2);
-  const int at = static_cast<int>(first & 3);
-  const uint32_t word0 = philox::word_at(lo, at);
-  const uint32_t word1 =
-      at == 3 ? philox::random4(seed, offset, (first >> 2) + 1).word[0] : philox::word_at(lo, at + 1);
-  out[0] = philox::to_uniform(word0) >= p ? scale : Acc(0);
-  out[1] = philox::to_uniform(word1) >= p ? scale : Acc(0);
-}
-
 // The per-warp state of the forward: its Q fragments (RowTiles 1), the output accumulator, and for each of the
 // lane's rows (row tile mt, g = lane / 4 and g + 8) the running max and the lane's share of the running sum.
 template <int DP, int RowTiles>

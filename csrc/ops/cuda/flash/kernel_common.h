@@ -226,4 +226,18 @@ FASTMHA_DEVICE void dropout_multipliers4(uint64_t seed, uint64_t offset, uint64_
   }
 }
 
+// Dropout multipliers of the scores at flat indices first and first + 1 (one Philox block, or two across a
+// block boundary).
+template <typename Acc>
+FASTMHA_DEVICE void dropout_multipliers2(uint64_t seed, uint64_t offset, uint64_t first, float p, Acc scale,
+                                         Acc out[2]) {
+  const philox::Block lo = philox::random4(seed, offset, first >> 2);
+  const int at = static_cast<int>(first & 3);
+  const uint32_t word0 = philox::word_at(lo, at);
+  const uint32_t word1 =
+      at == 3 ? philox::random4(seed, offset, (first >> 2) + 1).word[0] : philox::word_at(lo, at + 1);
+  out[0] = philox::to_uniform(word0) >= p ? scale : Acc(0);
+  out[1] = philox::to_uniform(word1) >= p ? scale : Acc(0);
+}
+
 }  // namespace fastmha::cuda_kernels
