@@ -64,16 +64,18 @@ FASTMHA_HOST_DEVICE uint32_t word_at(const Block& block, int i) {
 // Uniform in [0, 1) with 24 bits (exact in float) from one 32-bit word.
 FASTMHA_HOST_DEVICE float to_uniform(uint32_t word) { return static_cast<float>(word >> 8) * (1.0f / 16777216.0f); }
 
-// The uniform draw of element `index`: word index % 4 of the block at counter index / 4. Kernels that walk
-// elements in order compute each block once and use its four words.
-FASTMHA_HOST_DEVICE float uniform(uint64_t seed, uint64_t offset, uint64_t index) {
-  return to_uniform(word_at(random4(seed, offset, index >> 2), static_cast<int>(index & 3)));
+// The multiplier dropout applies to the element whose word this is: 0 (dropped, probability p) or `scale`
+// (1 / (1 - p)).
+template <typename T>
+FASTMHA_HOST_DEVICE T keep_of(uint32_t word, float p, T scale) {
+  return to_uniform(word) >= p ? scale : T(0);
 }
 
-// The multiplier dropout applies to element `index`: 0 (dropped, probability p) or 1 / (1 - p).
+// The multiplier dropout applies to element `index`, from word index % 4 of the block at counter index / 4.
+// Kernels that walk elements in order compute each block once and use its four words.
 template <typename T>
 FASTMHA_HOST_DEVICE T keep_scale(uint64_t seed, uint64_t offset, uint64_t index, float p, T scale) {
-  return uniform(seed, offset, index) >= p ? scale : T(0);
+  return keep_of(word_at(random4(seed, offset, index >> 2), static_cast<int>(index & 3)), p, scale);
 }
 
 }  // namespace fastmha::philox

@@ -102,7 +102,7 @@ void fill_multipliers(uint64_t seed, uint64_t offset, float p, T scale, uint64_t
   }
   const uint32_t* w = words.data() + (first & 3);
   for (int64_t j = 0; j < n; ++j) {
-    out[j] = philox::to_uniform(w[j]) >= p ? scale : T(0);
+    out[j] = philox::keep_of(w[j], p, scale);
   }
 }
 

@@ -222,7 +222,7 @@ FASTMHA_DEVICE void dropout_multipliers4(uint64_t seed, uint64_t offset, uint64_
     const uint64_t index = first + t;
     const int at = static_cast<int>(index & 3);
     const uint32_t word = (index >> 2) == counter ? philox::word_at(lo, at) : philox::word_at(hi, at);
-    out[t] = philox::to_uniform(word) >= p ? scale : Acc(0);
+    out[t] = philox::keep_of(word, p, scale);
   }
 }
 
@@ -236,8 +236,8 @@ FASTMHA_DEVICE void dropout_multipliers2(uint64_t seed, uint64_t offset, uint64_
   const uint32_t word0 = philox::word_at(lo, at);
   const uint32_t word1 =
       at == 3 ? philox::random4(seed, offset, (first >> 2) + 1).word[0] : philox::word_at(lo, at + 1);
-  out[0] = philox::to_uniform(word0) >= p ? scale : Acc(0);
-  out[1] = philox::to_uniform(word1) >= p ? scale : Acc(0);
+  out[0] = philox::keep_of(word0, p, scale);
+  out[1] = philox::keep_of(word1, p, scale);
 }
 
 }  // namespace fastmha::cuda_kernels
