@@ -259,21 +259,28 @@ struct RegisterRowPlace {
   }
 };
 
-// Calls f(c, j0, valid, keep) for each run c of the thread that holds keys (j0 its first key, `valid` of them),
-// with the run's dropout multipliers.
+// Calls f(c, j0, valid) for each run c of the thread that holds keys (j0 its first key, `valid` of them).
 template <typename Rows, typename T, typename Acc, typename F>
-FASTMHA_DEVICE void for_each_run_with_dropout(const RegisterRowPlace<Rows, T, Acc>& at,
-                                              const SoftmaxRowsParams<T, Acc>& p, F f) {
-  const DropoutStream stream = dropout_stream(p);
+FASTMHA_DEVICE void for_each_run(const RegisterRowPlace<Rows, T, Acc>& at, const SoftmaxRowsParams<T, Acc>& p, F f) {
   FASTMHA_UNROLL
   for (int c = 0; c < Rows::kChunks; ++c) {
     const int j0 = at.first_key(c), valid = at.valid(p, j0);
     if (valid > 0) {
-      Acc keep[4];
-      run_multipliers(p, stream, at.row, j0, keep);
-      f(c, j0, valid, keep);
+      f(c, j0, valid);
     }
   }
+}
+
+// for_each_run, with the run's dropout multipliers: f(c, j0, valid, keep).
+template <typename Rows, typename T, typename Acc, typename F>
+FASTMHA_DEVICE void for_each_run_with_dropout(const RegisterRowPlace<Rows, T, Acc>& at,
+                                              const SoftmaxRowsParams<T, Acc>& p, F f) {
+  const DropoutStream stream = dropout_stream(p);
+  for_each_run(at, p, [&](int c, int j0, int valid) {
+    Acc keep[4];
+    run_multipliers(p, stream, at.row, j0, keep);
+    f(c, j0, valid, keep);
+  });
 }
 
 // The forward of softmax_forward_row on rows held in registers (block `block` of rows).
@@ -358,19 +365,15 @@ FASTMHA_DEVICE void softmax_backward_register_rows(const Ctx& ctx, const Softmax
   });
   dot = row_group_reduce<Rows::kWarps>(ctx, scratch, dot, SumOp{});
   T* grad_scores = p.grad_scores + at.row * p.len_k;
-  FASTMHA_UNROLL
-  for (int c = 0; c < Rows::kChunks; ++c) {
-    const int j0 = at.first_key(c), valid = at.valid(p, j0);
-    if (valid > 0) {
-      T ds[4];
-      FASTMHA_UNROLL
-      for (int e = 0; e < 4; ++e) {
-        const bool masked = (masked_bits >> (4 * c + e)) & 1u;
-        ds[e] = masked ? T(0.0f) : T(prob[c][e] * (grad_p[c][e] - dot) * p.scale);
-      }
-      store_run(grad_scores + j0, valid, at.vector, ds);
+  for_each_run(at, p, [&](int c, int j0, int valid) {
+    T ds[4];
+    FASTMHA_UNROLL
+    for (int e = 0; e < 4; ++e) {
+      const bool masked = (masked_bits >> (4 * c + e)) & 1u;
+      ds[e] = masked ? T(0.0f) : T(prob[c][e] * (grad_p[c][e] - dot) * p.scale);
     }
-  }
+    store_run(grad_scores + j0, valid, at.vector, ds);
+  });
 }
 
 }  // namespace fastmha::cuda_kernels
