@@ -104,7 +104,7 @@ tests() {
   else
     note "test-cuda-launch: skipped, no $BUILD_DIR/tests/cuda_launch (no Catch2, no CUDA, or no build)"
   fi
-  phase test-cuda-kernels 150 "$PY" -m pytest "${pytest_args[@]}" tests/python/test_cuda_kernels.py \
+  phase test-cuda-kernels 200 "$PY" -m pytest "${pytest_args[@]}" tests/python/test_cuda_kernels.py \
     --junitxml="$OUT/test-cuda-kernels.xml"
   # Every other test parameterized by device, on its CUDA cases (opcheck, gradients, module, causal, ...).
   if has_gpu; then

@@ -216,10 +216,15 @@ KernelChoice choose_cuda_kernel(const AttentionCall& call) {
             "dropout: fastmha's flash kernels draw its reproducible Philox stream (the CPU's masks) without an "
             "Lq x Lk buffer"};
   }
+  const auto masked = switch_value("FASTMHA_CUDA_MASKED");
+  TORCH_CHECK(masked == "auto" || masked == "sdpa", "fastmha: FASTMHA_CUDA_MASKED must be auto or sdpa, got '", masked,
+              "'");
   std::string why;
   const bool training = call.pass == Pass::kBackward || call.query.requires_grad() || call.key.requires_grad() ||
                         call.value.requires_grad();
-  const auto backend = stock::cuda_backend(call.query, call.key, call.value, call.mask, call.is_causal, training, &why);
+  // `auto` keeps masked calls off the layer until a GPU run proves its masked path; `sdpa` sends them there.
+  const auto backend = stock::cuda_backend(call.query, call.key, call.value, call.mask, call.is_causal, training,
+                                           /*take_masks=*/masked == "sdpa", &why);
   if (backend.has_value()) {
     static const char* const names[] = {"", "flash", "memory-efficient", "cuDNN"};
     return {K::kStockCuda,

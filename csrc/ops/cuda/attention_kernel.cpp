@@ -1,8 +1,8 @@
 // CUDA kernels of the attention core. ops/kernel_choice.cpp decides which runs a call: torch's fused SDPA
-// kernels behind the contract layer (ops/stock/) for unmasked calls without kept weights or dropout; fastmha's
-// own kernels for kept weights (cuBLAS scores + one fused scale/mask/softmax/dropout kernel per row), and its
-// flash kernels (no Lq x Lk buffer) for the rest in half types, or for all the rest with FASTMHA_CUDA_KERNELS=own;
-// the ATen composite otherwise.
+// kernels behind the contract layer (ops/stock/) for unmasked calls without kept weights or dropout (masked ones
+// too with FASTMHA_CUDA_MASKED=sdpa); fastmha's own kernels for kept weights (cuBLAS scores + one fused
+// scale/mask/softmax/dropout kernel per row), and its flash kernels (no Lq x Lk buffer) for the rest in half
+// types, or for all the rest with FASTMHA_CUDA_KERNELS=own; the ATen composite otherwise.
 // Every launch runs on the inputs' device and its current stream.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>

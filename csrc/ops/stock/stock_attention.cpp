@@ -8,9 +8,8 @@
 #include <limits>
 #include <vector>
 
-#include "ops/broadcast_mask.h"
 #include "ops/heads.h"
-#include "ops/masked_score.h"
+#include "ops/stock/contract_inputs.h"
 
 namespace fastmha::stock {
 namespace {
@@ -18,77 +17,6 @@ namespace {
 // The stock kernels index the head dimension as if its stride were 1 and return garbage otherwise (torch's
 // SDPA checks this before it picks them); any other stride is fine.
 at::Tensor unit_last_stride(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
-
-// What the stock kernel is given instead of the user's query and mask (see the header).
-struct Prepared {
-  at::Tensor query;
-  std::optional<at::Tensor> bias;  // 0 / -inf in the query's dtype, broadcastable to (B, H, Lq, Lk)
-  bool is_causal = false;          // passed to the stock kernel
-  at::Tensor dead_rows;            // bool (..., Lq or 1, 1): rows with no visible key; undefined when none
-};
-
-at::Tensor as_4d(const at::Tensor& mask) {
-  auto sizes = mask.sizes().vec();
-  while (sizes.size() < 4) {
-    sizes.insert(sizes.begin(), 1);
-  }
-  return mask.reshape(sizes);
-}
-
-Prepared prepare(const at::Tensor& query, const at::Tensor& key, const std::optional<at::Tensor>& mask,
-                 bool is_causal) {
-  Prepared p;
-  p.query = unit_last_stride(query);
-  if (!mask.has_value()) {
-    p.is_causal = is_causal;
-    return p;
-  }
-  const int64_t len_q = query.size(2), len_k = key.size(2);
-  // Worked out on the mask's distinct elements and expanded at the end: an expanded mask stays a view (torch's
-  // kernels read the bias through its strides).
-  const auto mask_sizes = as_4d(*mask).sizes().vec();
-  auto visible = as_4d(distinct_elements(*mask).ne(0).to(query.device()));
-  if (is_causal) {
-    visible = visible.logical_and(at::ones({len_q, len_k}, visible.options()).tril());
-  }
-  const auto dead = visible.any(-1, /*keepdim=*/true).logical_not();
-  // Masks reach the layer on the CPU only (cuda_backend), where a row with no visible key is rare and cheap to
-  // look for.
-  if (dead.any().item<bool>()) {
-    visible = visible.logical_or(dead);
-    p.query = p.query.masked_fill(dead, 0);
-    p.dead_rows = dead;
-  }
-  const auto options = query.options();
-  p.bias = at::where(visible, at::scalar_tensor(0.0, options),
-                     at::scalar_tensor(-std::numeric_limits<double>::infinity(), options))
-               .expand(at::infer_size(mask_sizes, visible.sizes()));
-  return p;
-}
-
-// The saved log-sum-exp is the op's, whichever kernel ran: that of the masked (-1e9) scaled scores. It differs
-// from the stock kernel's own only in the rows with no visible key (-1e9 + log Lk there, log Lk for the
-// stock kernel with the row's query zeroed), so a backward can take the forward of either kernel. And in the rows
-// with a +inf score, whose weights are all NaN in the math (inf - inf): the stock kernels report +inf there, the op
-// NaN, so that a backward recomputing P = exp(S - lse) gets NaN across the row, not only at that key.
-at::Tensor dead_rows_of_lse(const Prepared& p) { return p.dead_rows.squeeze(-1); }
-
-at::Tensor to_contract_lse(const at::Tensor& stock_lse, const Prepared& p, const at::Tensor& key) {
-  const at::Tensor lse = stock_lse.masked_fill(stock_lse == std::numeric_limits<double>::infinity(),
-                                               std::numeric_limits<double>::quiet_NaN());
-  if (!p.dead_rows.defined()) {
-    return lse;
-  }
-  const double log_keys = std::log(static_cast<double>(key.size(2)));
-  return lse.masked_fill(dead_rows_of_lse(p), kMaskedScore + log_keys);
-}
-
-at::Tensor to_stock_lse(const at::Tensor& lse, const Prepared& p, const at::Tensor& key) {
-  if (!p.dead_rows.defined()) {
-    return lse;
-  }
-  return lse.masked_fill(dead_rows_of_lse(p), std::log(static_cast<double>(key.size(2))));
-}
 
 double softmax_scale(const at::Tensor& query) { return 1.0 / std::sqrt(static_cast<double>(query.size(3))); }
 
@@ -128,6 +56,17 @@ CudaBackendUsable& backend_usable() {
   return usable;
 }
 
+// The query given to the kernel has a unit last stride; a CUDA kernel (the memory-efficient one: the only one the
+// layer passes a bias) reads its bias row-aligned.
+ContractInputs contract_inputs_for(const at::Tensor& query, const at::Tensor& key,
+                                   const std::optional<at::Tensor>& mask, bool is_causal,
+                                   std::optional<CudaBackend> cuda) {
+  TORCH_INTERNAL_ASSERT(!mask.has_value() || !cuda.has_value() || *cuda == CudaBackend::kEfficient,
+                        "the layer passes a bias to the memory-efficient CUDA kernel only");
+  return contract_inputs(unit_last_stride(query), key, mask, is_causal,
+                         cuda.has_value() ? BiasLayout::kRowAligned : BiasLayout::kBroadcast);
+}
+
 // cuDNN's log-sum-exp is (B, H, Lq, 1); the op's is (B, H, Lq).
 at::Tensor op_lse_shape(const at::Tensor& lse, const at::Tensor& query) {
   return lse.reshape({query.size(0), query.size(1), query.size(2)});
@@ -139,15 +78,16 @@ void set_cuda_backend_usable(CudaBackendUsable usable) { backend_usable() = usab
 
 std::optional<CudaBackend> cuda_backend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                         const std::optional<at::Tensor>& mask, bool is_causal, bool training,
-                                        std::string* why) {
+                                        bool take_masks, std::string* why) {
   const auto refuse = [&](std::string reason) -> std::optional<CudaBackend> {
     if (why != nullptr) {
       *why = std::move(reason);
     }
     return std::nullopt;
   };
-  if (mask.has_value()) {
-    return refuse("a mask: the layer hands torch's CUDA kernels no bias (its masked path is unproven on a GPU)");
+  if (mask.has_value() && !take_masks) {
+    return refuse(
+        "a mask: the layer hands torch's CUDA kernels a bias only with FASTMHA_CUDA_MASKED=sdpa (unproven on a GPU)");
   }
   // torch's choice has rules for training only (backwards some GPUs cannot run); it reads them off the inputs'
   // requires_grad under grad mode, which is off below autograd.
@@ -157,18 +97,34 @@ std::optional<CudaBackend> cuda_backend(const at::Tensor& query, const at::Tenso
     return training && !t.requires_grad() && !t.is_inference() ? t.detach().requires_grad_(true) : t;
   };
   const auto q = as_trained(query), k = as_trained(key), v = as_trained(value);
+  // A masked call passes the kernel a bias laid out as contract_inputs lays it out (causality folded in); this
+  // stand-in has its dtype and strides, which is all that SDPA's rules read of it.
+  std::optional<at::Tensor> bias_like;
+  if (mask.has_value()) {
+    bias_like = at::empty({1, 1, 1, kBiasRowAlign}, query.options())
+                    .narrow(3, 0, 1)
+                    .expand({query.size(0), query.size(1), query.size(2), key.size(2)});
+  }
+  const bool causal_flag = is_causal && !mask.has_value();
   int64_t choice = 0;
   try {
-    choice = at::_fused_sdp_choice(q, k, v, std::nullopt, 0.0, is_causal, softmax_scale(query));
+    choice = at::_fused_sdp_choice(q, k, v, bias_like, 0.0, causal_flag, softmax_scale(query));
   } catch (const c10::Error& error) {  // no kernel SDPA may run (its math kernel disabled too)
     return refuse(std::string("SDPA finds no kernel it may run: ") + error.what_without_backtrace());
   }
   const auto usable = [&](CudaBackend backend) {
     const auto provider = backend_usable();
-    return provider != nullptr && provider(backend, q, k, v, is_causal);
+    return provider != nullptr && provider(backend, q, k, v, bias_like, causal_flag);
   };
   std::optional<CudaBackend> pick;
-  if (choice == static_cast<int64_t>(CudaBackend::kFlash) || choice == static_cast<int64_t>(CudaBackend::kEfficient)) {
+  if (mask.has_value()) {
+    // With a bias the layer calls the memory-efficient kernel only: flash takes none, and cuDNN's has not been
+    // checked against the contract (torch 2.10 ran some cuDNN calls as if their bias were absent).
+    if (choice == static_cast<int64_t>(CudaBackend::kEfficient) || usable(CudaBackend::kEfficient)) {
+      pick = CudaBackend::kEfficient;
+    }
+  } else if (choice == static_cast<int64_t>(CudaBackend::kFlash) ||
+             choice == static_cast<int64_t>(CudaBackend::kEfficient)) {
     pick = static_cast<CudaBackend>(choice);
   } else if (choice == static_cast<int64_t>(CudaBackend::kCudnn)) {
     if (!is_causal || query.size(2) == key.size(2)) {
@@ -184,8 +140,8 @@ std::optional<CudaBackend> cuda_backend(const at::Tensor& query, const at::Tenso
                   " keys: the layer does not use the memory-efficient kernel there");
   }
   if (!pick.has_value()) {
-    return refuse("SDPA would run backend " + std::to_string(choice) +
-                  ", which the layer does not wrap here, and no other fused kernel takes the call");
+    return refuse("SDPA would run backend " + std::to_string(choice) + ", which the layer does not wrap " +
+                  (mask.has_value() ? "with a mask" : "here") + ", and no other fused kernel takes the call");
   }
   return pick;
 }
@@ -194,9 +150,8 @@ detail::AttentionForwardResult attention_forward(const at::Tensor& query, const 
                                                  const at::Tensor& user_value, const std::optional<at::Tensor>& mask,
                                                  bool is_causal, std::optional<CudaBackend> cuda) {
   TORCH_INTERNAL_ASSERT(query.is_cpu() || cuda.has_value(), "the stock CUDA path needs the chosen SDPA backend");
-  TORCH_INTERNAL_ASSERT(query.is_cpu() || !mask.has_value(), "the layer takes no masked CUDA calls");
   const auto key = unit_last_stride(user_key), value = unit_last_stride(user_value);
-  const auto p = prepare(query, key, mask, is_causal);
+  const auto p = contract_inputs_for(query, key, mask, is_causal, cuda);
   const double scale = softmax_scale(query);
   at::Tensor output, logsumexp;
   if (query.is_cpu()) {
@@ -213,13 +168,13 @@ detail::AttentionForwardResult attention_forward(const at::Tensor& query, const 
     logsumexp = op_lse_shape(std::get<1>(result), query);
   } else {
     auto result =
-        at::_scaled_dot_product_efficient_attention(p.query, key, value, std::nullopt, true, 0.0, p.is_causal, scale);
+        at::_scaled_dot_product_efficient_attention(p.query, key, value, p.bias, true, 0.0, p.is_causal, scale);
     output = std::get<0>(result);
     logsumexp = std::get<1>(result).slice(-1, 0, query.size(2)).contiguous();
   }
   // The stock kernels write (B, Lq, H, ...) memory; the op's contract (and its Meta kernel) is the query's layout.
-  return {in_layout_of(output, query), at::empty({0}, query.options()), to_contract_lse(logsumexp, p, key).contiguous(),
-          at::zeros({2}, query.options().dtype(at::kLong))};
+  return {in_layout_of(output, query), at::empty({0}, query.options()),
+          to_contract_lse(logsumexp, p, key.size(2)).contiguous(), at::zeros({2}, query.options().dtype(at::kLong))};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
@@ -227,13 +182,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const std::optional<at::Tensor>& mask, const at::Tensor& user_output, const at::Tensor& saved_logsumexp,
     bool is_causal, std::optional<CudaBackend> cuda) {
   TORCH_INTERNAL_ASSERT(query.is_cpu() || cuda.has_value(), "the stock CUDA path needs the chosen SDPA backend");
-  TORCH_INTERNAL_ASSERT(query.is_cpu() || !mask.has_value(), "the layer takes no masked CUDA calls");
   const auto key = unit_last_stride(user_key), value = unit_last_stride(user_value);
   const auto output = unit_last_stride(user_output);
-  const auto p = prepare(query, key, mask, is_causal);
+  const auto p = contract_inputs_for(query, key, mask, is_causal, cuda);
   const double scale = softmax_scale(query);
   const auto grad_out = unit_last_stride(grad_output.to(query.scalar_type()));
-  const auto logsumexp = to_stock_lse(saved_logsumexp, p, key);
+  const auto logsumexp = to_stock_lse(saved_logsumexp, p, key.size(2));
   at::Tensor grad_q, grad_k, grad_v;
   if (query.is_cpu()) {
     std::tie(grad_q, grad_k, grad_v) = at::_scaled_dot_product_flash_attention_for_cpu_backward(
@@ -255,16 +209,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
       const int64_t padded = (len_q + kEfficientLseAlign - 1) / kEfficientLseAlign * kEfficientLseAlign;
       const auto lse = at::constant_pad_nd(logsumexp, {0, padded - len_q});
       auto grads = at::_scaled_dot_product_efficient_attention_backward(
-          efficient_layout(grad_out), p.query, key, value, at::Tensor(), efficient_layout(output), lse, unused_seed,
-          unused_seed, 0.0, {true, true, true, false}, p.is_causal, scale);
+          efficient_layout(grad_out), p.query, key, value, p.bias.value_or(at::Tensor()), efficient_layout(output), lse,
+          unused_seed, unused_seed, 0.0, {true, true, true, false}, p.is_causal, scale);
       grad_q = std::get<0>(grads);
       grad_k = std::get<1>(grads);
       grad_v = std::get<2>(grads);
     }
   }
-  if (p.dead_rows.defined()) {
-    grad_q = grad_q.masked_fill(p.dead_rows, 0);
-  }
+  grad_q = to_contract_grad_query(grad_q, p);
   return {in_layout_of(grad_q, query), in_layout_of(grad_k, user_key), in_layout_of(grad_v, user_value)};
 }
 

@@ -1,9 +1,8 @@
 // torch's own fused attention kernels (CPU flash; CUDA flash, memory-efficient and cuDNN) behind a thin layer
-// that keeps fastmha's contract exactly, for calls without kept weights and without dropout (on CUDA also
-// without a mask: see cuda_backend):
-//  - mask == 0 for masks of any dtype and broadcast shape: the mask becomes an additive 0 / -inf bias in its
-//    own (broadcast) shape. Next to one visible key a masked score contributes exp(-inf) = 0, exactly as
-//    exp(-1e9 - max) = 0 does in every dtype.
+// that keeps fastmha's contract exactly, for calls without kept weights and without dropout (on CUDA masked calls
+// only with FASTMHA_CUDA_MASKED=sdpa: see cuda_backend). contract_inputs.h says what the kernels are given:
+//  - mask == 0 for masks of any dtype and broadcast shape: the mask becomes an additive 0 / -inf bias. Next to one
+//    visible key a masked score contributes exp(-inf) = 0, exactly as exp(-1e9 - max) = 0 does in every dtype.
 //  - A row with no visible key is uniform over all keys (the -1e9 rule): its bias row is opened and its
 //    query row zeroed, so all its scores are 0. Its query gradient is zeroed again in the backward (the
 //    scores of such a row do not depend on the query), and its key gradient is 0 because its query is.
@@ -26,21 +25,22 @@ namespace fastmha::stock {
 // SDPA's fused CUDA backends that the layer wraps (values of at::_fused_sdp_choice).
 enum class CudaBackend : int64_t { kFlash = 1, kEfficient = 2, kCudnn = 3 };
 
-// Whether torch's own rules let `backend` run these tensors without a bias, and whether the user left it enabled.
-// Set by ops/cuda/ when the CUDA kernels are compiled in.
+// Whether torch's own rules let `backend` run these tensors with this bias (or none), and whether the user left it
+// enabled. Set by ops/cuda/ when the CUDA kernels are compiled in.
 using CudaBackendUsable = bool (*)(CudaBackend backend, const at::Tensor& query, const at::Tensor& key,
-                                   const at::Tensor& value, bool is_causal);
+                                   const at::Tensor& value, const std::optional<at::Tensor>& bias, bool is_causal);
 void set_cuda_backend_usable(CudaBackendUsable usable);
 
 // The CUDA backend that runs this call behind the layer, or nullopt (with the reason in `why`) when torch's
-// kernels are not used for it. On CUDA the layer takes calls without a mask (its masked path, a bias, is
-// unproven on a GPU), and runs SDPA's own pick where it wraps it. It passes cuDNN no causality with Lq != Lk
-// (where top-left and bottom-right alignment differ): where SDPA picks cuDNN for such a call, flash or the
-// memory-efficient kernel runs it if torch's rules allow them. `training`: a gradient will be taken (torch's
-// choice has rules for that case).
+// kernels are not used for it. Without a mask the layer runs SDPA's own pick where it wraps it; it passes cuDNN
+// no causality with Lq != Lk (where top-left and bottom-right alignment differ): where SDPA picks cuDNN for such a
+// call, flash or the memory-efficient kernel runs it if torch's rules allow them. A masked call is taken only with
+// `take_masks` (its path is unproven on a GPU), and by the memory-efficient kernel only: flash reads no bias, and
+// cuDNN's has not been checked against the contract. `training`: a gradient will be taken (torch's choice has
+// rules for that case).
 std::optional<CudaBackend> cuda_backend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                         const std::optional<at::Tensor>& mask, bool is_causal, bool training,
-                                        std::string* why);
+                                        bool take_masks, std::string* why);
 
 // (output, empty weights, logsumexp, zero rng_state), as the internal forward op returns them. On CUDA,
 // `cuda` is the backend the kernel choice found with cuda_backend() (it is not looked up again).

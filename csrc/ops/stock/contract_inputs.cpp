@@ -1,0 +1,101 @@
+#include "ops/stock/contract_inputs.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <limits>
+
+#include "ops/broadcast_mask.h"
+#include "ops/masked_score.h"
+
+namespace fastmha::stock {
+namespace {
+
+at::Tensor as_4d(const at::Tensor& mask) {
+  auto sizes = mask.sizes().vec();
+  while (sizes.size() < 4) {
+    sizes.insert(sizes.begin(), 1);
+  }
+  return mask.reshape(sizes);
+}
+
+at::Tensor zero_or_minus_inf(const at::Tensor& visible, const at::TensorOptions& options) {
+  return at::where(visible, at::scalar_tensor(0.0, options),
+                   at::scalar_tensor(-std::numeric_limits<double>::infinity(), options));
+}
+
+// The bias of kRowAligned: rows of len_k values padded to a multiple of kBiasRowAlign, one row per distinct mask
+// row, expanded to the score shape.
+at::Tensor row_aligned_bias(const at::Tensor& visible, const at::Tensor& query, int64_t len_k) {
+  const int64_t padded = (len_k + kBiasRowAlign - 1) / kBiasRowAlign * kBiasRowAlign;
+  auto sizes = visible.sizes().vec();
+  sizes[3] = padded;
+  auto rows = at::empty(sizes, query.options()).narrow(3, 0, len_k);
+  sizes[3] = len_k;
+  rows.copy_(zero_or_minus_inf(visible, query.options()).expand(sizes));
+  return rows.expand({query.size(0), query.size(1), query.size(2), len_k});
+}
+
+at::Tensor dead_rows_of_lse(const ContractInputs& inputs) { return inputs.dead_rows.squeeze(-1); }
+
+}  // namespace
+
+ContractInputs contract_inputs(const at::Tensor& query, const at::Tensor& key, const std::optional<at::Tensor>& mask,
+                               bool is_causal, BiasLayout layout) {
+  ContractInputs p;
+  p.query = query;
+  if (!mask.has_value()) {
+    p.is_causal = is_causal;
+    return p;
+  }
+  const int64_t len_q = query.size(2), len_k = key.size(2);
+  // Worked out on the mask's distinct elements and expanded at the end: an expanded mask stays a view (torch's
+  // kernels read the bias through its strides).
+  const auto mask_sizes = as_4d(*mask).sizes().vec();
+  auto visible = as_4d(distinct_elements(*mask).ne(0).to(query.device()));
+  if (is_causal) {
+    visible = visible.logical_and(at::ones({len_q, len_k}, visible.options()).tril());
+  }
+  const auto dead = visible.any(-1, /*keepdim=*/true).logical_not();
+  // A row with no visible key is uniform over all keys: its bias row is opened and its query row zeroed, so all
+  // its scores are 0. On the host (kBroadcast, the CPU) such rows are rare and cheap to look for; on a device the
+  // look would wait for it, so the rows are opened and zeroed by the mask alone.
+  if (layout == BiasLayout::kRowAligned || dead.any().item<bool>()) {
+    visible = visible.logical_or(dead);
+    p.query = query.masked_fill(dead, 0);
+    p.dead_rows = dead;
+  }
+  if (layout == BiasLayout::kRowAligned) {
+    p.bias = row_aligned_bias(visible, query, len_k);
+  } else {
+    p.bias = zero_or_minus_inf(visible, query.options()).expand(at::infer_size(mask_sizes, visible.sizes()));
+  }
+  return p;
+}
+
+// The saved log-sum-exp is the op's, whichever kernel ran: that of the masked (-1e9) scaled scores. It differs
+// from the stock kernel's own only in the rows with no visible key (-1e9 + log Lk there, log Lk for the
+// stock kernel with the row's query zeroed), so a backward can take the forward of either kernel. And in the rows
+// with a +inf score, whose weights are all NaN in the math (inf - inf): the stock kernels report +inf there, the op
+// NaN, so that a backward recomputing P = exp(S - lse) gets NaN across the row, not only at that key.
+at::Tensor to_contract_lse(const at::Tensor& stock_lse, const ContractInputs& inputs, int64_t len_k) {
+  const at::Tensor lse = stock_lse.masked_fill(stock_lse == std::numeric_limits<double>::infinity(),
+                                               std::numeric_limits<double>::quiet_NaN());
+  if (!inputs.dead_rows.defined()) {
+    return lse;
+  }
+  return lse.masked_fill(dead_rows_of_lse(inputs), kMaskedScore + std::log(static_cast<double>(len_k)));
+}
+
+at::Tensor to_stock_lse(const at::Tensor& lse, const ContractInputs& inputs, int64_t len_k) {
+  if (!inputs.dead_rows.defined()) {
+    return lse;
+  }
+  return lse.masked_fill(dead_rows_of_lse(inputs), std::log(static_cast<double>(len_k)));
+}
+
+at::Tensor to_contract_grad_query(const at::Tensor& grad_query, const ContractInputs& inputs) {
+  return inputs.dead_rows.defined() ? grad_query.masked_fill(inputs.dead_rows, 0) : grad_query;
+}
+
+}  // namespace fastmha::stock
