@@ -216,15 +216,12 @@ KernelChoice choose_cuda_kernel(const AttentionCall& call) {
             "dropout: fastmha's flash kernels draw its reproducible Philox stream (the CPU's masks) without an "
             "Lq x Lk buffer"};
   }
-  const auto masked = switch_value("FASTMHA_CUDA_MASKED");
-  TORCH_CHECK(masked == "auto" || masked == "sdpa", "fastmha: FASTMHA_CUDA_MASKED must be auto or sdpa, got '", masked,
-              "'");
   std::string why;
   const bool training = call.pass == Pass::kBackward || call.query.requires_grad() || call.key.requires_grad() ||
                         call.value.requires_grad();
   // `auto` keeps masked calls off the layer until a GPU run proves its masked path; `sdpa` sends them there.
   const auto backend = stock::cuda_backend(call.query, call.key, call.value, call.mask, call.is_causal, training,
-                                           /*take_masks=*/masked == "sdpa", &why);
+                                           /*take_masks=*/switch_value("FASTMHA_CUDA_MASKED") == "sdpa", &why);
   if (backend.has_value()) {
     static const char* const names[] = {"", "flash", "memory-efficient", "cuDNN"};
     return {K::kStockCuda,
@@ -247,6 +244,10 @@ KernelChoice choose_cuda_kernel(const AttentionCall& call) {
 // the shared-memory tile kernels. `auto` is `wmma` for now: the mma kernels are checked on the CPU emulator but
 // have not yet run on a GPU.
 KernelChoice choose_cuda(const AttentionCall& call) {
+  // Checked at every CUDA call, as FASTMHA_CUDA_FLASH is below: a misspelt value fails whichever kernel runs.
+  const auto masked = switch_value("FASTMHA_CUDA_MASKED");
+  TORCH_CHECK(masked == "auto" || masked == "sdpa", "fastmha: FASTMHA_CUDA_MASKED must be auto or sdpa, got '", masked,
+              "'");
   auto choice = choose_cuda_kernel(call);
   const auto variant = switch_value("FASTMHA_CUDA_FLASH");
   TORCH_CHECK(variant == "auto" || variant == "wmma" || variant == "mma" || variant == "mma16",

@@ -115,6 +115,19 @@ TEST_CASE("the contract's inputs in both bias layouts give the oracle's outputs,
   }
 }
 
+TEST_CASE("the rows SDPA's choice is asked about have the layout of the kernel's bias", "[contract-inputs]") {
+  // torch's rules refuse a bias whose last stride is not 1, so a stand-in expanded from one value would never be
+  // chosen for the memory-efficient kernel.
+  const auto q = torch::randn({kBatch, kHeads, kQueries, 8});
+  for (const int64_t keys : {1, 16, 37, 64}) {
+    const auto rows = fastmha::stock::empty_row_aligned_bias_rows({1, 1, 1}, q, keys);
+    const auto stand_in = rows.expand({kBatch, kHeads, kQueries, keys});
+    CHECK(stand_in.stride(3) == 1);
+    CHECK(rows.stride(2) % fastmha::stock::kBiasRowAlign == 0);
+    CHECK(stand_in.sizes() == at::IntArrayRef({kBatch, kHeads, kQueries, keys}));
+  }
+}
+
 TEST_CASE("the row-aligned bias has the score shape, a dense last dimension and aligned rows", "[contract-inputs]") {
   for (const auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kFloat16, torch::kFloat64}) {
     const auto q = torch::randn({kBatch, kHeads, kQueries, 8}).to(dtype);

@@ -31,6 +31,30 @@ def test_nan_in_a_masked_key_stays_out_of_the_scores():
     assert torch.isfinite(out).all() and torch.isfinite(weights).all()
 
 
+@pytest.mark.parametrize("kernels", ["stock", "own", "auto"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_key_under_the_mask_without_kept_weights(monkeypatch, kernels, value):
+    # torch's CPU flash kernel adds the mask as a -inf bias, which a non-finite score turns into NaN; the contract
+    # replaces the score with -1e9, so the output stays finite and only the query gradient meets the key (0 * NaN).
+    # With 600 keys, most visible, float32 `auto` runs torch's kernel for the forward.
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", kernels)
+    q, k, v = (torch.randn(1, 2, n, 16) for n in (40, 600, 600))
+    k[0, 0, 3, 0] = value
+    mask = torch.ones(600, dtype=torch.bool)
+    mask[3] = False
+    q, k, v = (x.requires_grad_(True) for x in (q, k, v))
+    out, _ = torch.ops.fastmha.attention(q, k, v, mask, 0.0, False, False)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    q64, k64, v64 = (x.detach().double().requires_grad_(True) for x in (q, k, v))
+    ref_out, _ = oracle_attention(q64, k64, v64, mask)
+    ref_grads = torch.autograd.grad(ref_out, (q64, k64, v64), grad_out.double())
+    assert ref_out.isfinite().all()
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-4)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-4, equal_nan=True)
+
+
 def test_nan_in_a_query_poisons_only_its_row():
     q, k, v = qkv()
     q[0, 1, 2, 0] = float("nan")

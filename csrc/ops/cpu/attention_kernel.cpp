@@ -12,6 +12,7 @@
 #include <cctype>
 #include <cerrno>
 #include <cstdlib>
+#include <initializer_list>
 
 #include "ops/attention_ops.h"
 #include "ops/broadcast_mask.h"
@@ -140,6 +141,22 @@ bool all_finite(const at::Tensor& t) {
   return finite;
 }
 
+// torch's kernel adds the mask as a -inf bias, which a NaN or infinite score at a hidden key turns into NaN, where
+// the contract replaces that score with -1e9. A masked call whose result from torch's kernel holds a NaN (rare:
+// non-finite inputs) runs again on fastmha's kernel, which gives the contract's result; looking costs one pass over
+// the output (or the gradients), far less than the attention itself.
+bool stock_result_needs_own(const std::optional<at::Tensor>& mask, std::initializer_list<at::Tensor> results) {
+  if (!mask.has_value()) {
+    return false;
+  }
+  for (const auto& t : results) {
+    if (t.isnan().any().item<bool>()) {
+      return true;
+    }
+  }
+  return false;
+}
+
 detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query, const at::Tensor& key,
                                                         const at::Tensor& value, const std::optional<at::Tensor>& mask,
                                                         double dropout_p, bool need_weights, bool is_causal) {
@@ -147,7 +164,10 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
   const AttentionCall call{query, key, value, mask, dropout_p, need_weights, is_causal};
   const auto choice = choose_kernel_logged(call);
   if (choice.kernel == AttentionKernel::kStockCpu) {
-    return stock::attention_forward(query, key, value, mask, is_causal, std::nullopt);
+    auto result = stock::attention_forward(query, key, value, mask, is_causal, std::nullopt);
+    if (!stock_result_needs_own(mask, {std::get<0>(result)})) {
+      return result;
+    }
   }
   const auto dtype = query.scalar_type();
   const auto acc = at::toOpMathType(dtype);
@@ -212,7 +232,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
   call.weights_at_hand = weights_serve;
   const auto choice = choose_kernel_logged(call);
   if (choice.kernel == AttentionKernel::kStockCpu) {
-    return stock::attention_backward(grad_output, query, key, value, mask, output, logsumexp, is_causal, std::nullopt);
+    auto grads =
+        stock::attention_backward(grad_output, query, key, value, mask, output, logsumexp, is_causal, std::nullopt);
+    if (!stock_result_needs_own(mask, {std::get<0>(grads), std::get<1>(grads), std::get<2>(grads)})) {
+      return grads;
+    }
   }
   const int64_t batch = query.size(0), heads = query.size(1), len_q = query.size(2), len_k = key.size(2);
   const int64_t d_k = query.size(3), d_v = value.size(3);

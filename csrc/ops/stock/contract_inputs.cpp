@@ -24,21 +24,15 @@ at::Tensor zero_or_minus_inf(const at::Tensor& visible, const at::TensorOptions&
                    at::scalar_tensor(-std::numeric_limits<double>::infinity(), options));
 }
 
-// The bias of kRowAligned: rows of len_k values padded to a multiple of kBiasRowAlign, one row per distinct mask
-// row, expanded to the score shape.
-at::Tensor row_aligned_bias(const at::Tensor& visible, const at::Tensor& query, int64_t len_k) {
-  const int64_t padded = (len_k + kBiasRowAlign - 1) / kBiasRowAlign * kBiasRowAlign;
-  auto sizes = visible.sizes().vec();
-  sizes[3] = padded;
-  auto rows = at::empty(sizes, query.options()).narrow(3, 0, len_k);
-  sizes[3] = len_k;
-  rows.copy_(zero_or_minus_inf(visible, query.options()).expand(sizes));
-  return rows.expand({query.size(0), query.size(1), query.size(2), len_k});
-}
-
 at::Tensor dead_rows_of_lse(const ContractInputs& inputs) { return inputs.dead_rows.squeeze(-1); }
 
 }  // namespace
+
+at::Tensor empty_row_aligned_bias_rows(at::IntArrayRef row_sizes, const at::Tensor& query, int64_t len_k) {
+  TORCH_INTERNAL_ASSERT(row_sizes.size() == 3, "bias rows are indexed by (B, H, Lq)");
+  const int64_t padded = (len_k + kBiasRowAlign - 1) / kBiasRowAlign * kBiasRowAlign;
+  return at::empty({row_sizes[0], row_sizes[1], row_sizes[2], padded}, query.options()).narrow(3, 0, len_k);
+}
 
 ContractInputs contract_inputs(const at::Tensor& query, const at::Tensor& key, const std::optional<at::Tensor>& mask,
                                bool is_causal, BiasLayout layout) {
@@ -66,7 +60,10 @@ ContractInputs contract_inputs(const at::Tensor& query, const at::Tensor& key, c
     p.dead_rows = dead;
   }
   if (layout == BiasLayout::kRowAligned) {
-    p.bias = row_aligned_bias(visible, query, len_k);
+    // One row of len_k values per distinct mask row, expanded to the score shape.
+    auto rows = empty_row_aligned_bias_rows(visible.sizes().slice(0, 3), query, len_k);
+    rows.copy_(zero_or_minus_inf(visible, query.options()).expand(rows.sizes()));
+    p.bias = rows.expand({query.size(0), query.size(1), len_q, len_k});
   } else {
     p.bias = zero_or_minus_inf(visible, query.options()).expand(at::infer_size(mask_sizes, visible.sizes()));
   }

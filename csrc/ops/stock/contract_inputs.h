@@ -31,6 +31,11 @@ struct ContractInputs {
   at::Tensor dead_rows;
 };
 
+// Uninitialized bias rows of `len_k` values as kRowAligned lays them out, one row per index of `row_sizes` (B, H,
+// Lq, each 1 where rows are shared): padded to kBiasRowAlign values. Expanded to the score shape they are the
+// kernel's bias; SDPA's choice is asked about the same layout.
+at::Tensor empty_row_aligned_bias_rows(at::IntArrayRef row_sizes, const at::Tensor& query, int64_t len_k);
+
 ContractInputs contract_inputs(const at::Tensor& query, const at::Tensor& key, const std::optional<at::Tensor>& mask,
                                bool is_causal, BiasLayout layout);
 

@@ -101,8 +101,7 @@ std::optional<CudaBackend> cuda_backend(const at::Tensor& query, const at::Tenso
   // stand-in has its dtype and strides, which is all that SDPA's rules read of it.
   std::optional<at::Tensor> bias_like;
   if (mask.has_value()) {
-    bias_like = at::empty({1, 1, 1, kBiasRowAlign}, query.options())
-                    .narrow(3, 0, 1)
+    bias_like = empty_row_aligned_bias_rows({1, 1, 1}, query, key.size(2))
                     .expand({query.size(0), query.size(1), query.size(2), key.size(2)});
   }
   const bool causal_flag = is_causal && !mask.has_value();
