@@ -7,8 +7,9 @@ Peers, on the same (B, H, L, d) bfloat16 inputs:
   fastmha_mma    the same with FASTMHA_CUDA_FLASH=mma too (the register-resident mma kernels, the forward
                  with 32 query rows per warp)
   fastmha_mma16  the same with FASTMHA_CUDA_FLASH=mma16 (the forward with 16 rows per warp, Q in registers)
-  fastmha_sdpa_masks  the default with FASTMHA_CUDA_MASKED=sdpa: masked calls without dropout on SDPA's
-                 memory-efficient kernel behind the contract layer (measured for those calls only)
+  fastmha_sdpa   the default with FASTMHA_CUDA_MASKED=sdpa and FASTMHA_CUDA_DROPOUT=sdpa: masked and dropout
+                 calls on SDPA's memory-efficient kernel behind the contract layer, dropout drawing torch's own
+                 masks (measured for those calls only)
   fastmha_w      the same with need_weights=True (cuBLAS scores + the fused softmax row kernel)
   sdpa           F.scaled_dot_product_attention as torch picks its backend (recorded in sdpa_backend)
   sdpa_flash / sdpa_efficient / sdpa_cudnn / sdpa_math   each SDPA backend forced (n/a where it refuses)
@@ -43,12 +44,12 @@ import fastmha
 ROOT = Path(__file__).resolve().parents[1]
 SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
                  "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_math": SDPBackend.MATH}
-PEERS = ["fastmha", "fastmha_own", "fastmha_mma", "fastmha_mma16", "fastmha_sdpa_masks", "fastmha_w", "sdpa",
+PEERS = ["fastmha", "fastmha_own", "fastmha_mma", "fastmha_mma16", "fastmha_sdpa", "fastmha_w", "sdpa",
          *SDPA_BACKENDS, "oracle"]
 SWITCHED = {"fastmha_own": {"FASTMHA_CUDA_KERNELS": "own"},
             "fastmha_mma": {"FASTMHA_CUDA_KERNELS": "own", "FASTMHA_CUDA_FLASH": "mma"},
             "fastmha_mma16": {"FASTMHA_CUDA_KERNELS": "own", "FASTMHA_CUDA_FLASH": "mma16"},
-            "fastmha_sdpa_masks": {"FASTMHA_CUDA_MASKED": "sdpa"}}
+            "fastmha_sdpa": {"FASTMHA_CUDA_MASKED": "sdpa", "FASTMHA_CUDA_DROPOUT": "sdpa"}}
 QUADRATIC_MEMORY = {"fastmha_w", "sdpa_math", "oracle"}  # keep an L x L tensor per head
 # is_causal, dropout. "padding": the last quarter of the keys is padding; "padded": a padded batch, each sequence
 # keeping 10-25% of the keys (75-90% padding, as sentences padded to a fixed length).
@@ -188,7 +189,7 @@ def run(args, device, dtype, on_row):
                     row["fastmha_kernel"] = fastmha.explain(q, k, v, mask, p, False, is_causal).splitlines()[0]
                     total = flops(batch, heads, length, d, is_causal, mode)
                     for peer in PEERS:
-                        unchanged = peer == "fastmha_sdpa_masks" and (mask is None or p > 0)  # the default's call
+                        unchanged = peer == "fastmha_sdpa" and mask is None and p == 0  # the default's call
                         if unchanged or (peer in QUADRATIC_MEMORY and length > args.max_quadratic_length):
                             row[f"ms_{peer}"] = row[f"tflops_{peer}"] = row[f"mib_{peer}"] = float("nan")
                             continue
@@ -217,14 +218,14 @@ def run(args, device, dtype, on_row):
 
 def markdown(rows):
     lines = ["| d | L | case | mode | fastmha kernel | fastmha TFLOP/s | own TFLOP/s | mma / mma16 TFLOP/s "
-             "| masks on sdpa TFLOP/s | sdpa (backend) | vs flash | vs efficient | vs cudnn | vs oracle | w vs oracle "
-             "| MiB fastmha / w / oracle |",
+             "| switched to sdpa TFLOP/s | sdpa (backend) | vs flash | vs efficient | vs cudnn | vs oracle "
+             "| w vs oracle | MiB fastmha / w / oracle |",
              "|" + " --- |" * 16]
     for r in rows:
         lines.append(f"| {r['d']} | {r['length']} | {r['case']} | {r['mode']} | {r['fastmha_kernel']} | "
                      f"{r['tflops_fastmha']:.1f} | {r['tflops_fastmha_own']:.1f} | "
                      f"{r['tflops_fastmha_mma']:.1f} / {r['tflops_fastmha_mma16']:.1f} | "
-                     f"{r['tflops_fastmha_sdpa_masks']:.1f} | "
+                     f"{r['tflops_fastmha_sdpa']:.1f} | "
                      f"{r['speedup_vs_sdpa']:.2f}x ({r['sdpa_backend']}) | {r['speedup_vs_sdpa_flash']:.2f}x | "
                      f"{r['speedup_vs_sdpa_efficient']:.2f}x | {r['speedup_vs_sdpa_cudnn']:.2f}x | "
                      f"{r['speedup_vs_oracle']:.2f}x | {r['speedup_w_vs_oracle']:.2f}x | "

@@ -204,6 +204,21 @@ KernelChoice choose_cuda_kernel(const AttentionCall& call) {
   // (gradcheck's reentrancy test).
   const auto dtype = call.query.scalar_type();
   const bool half = dtype == at::kHalf || dtype == at::kBFloat16;
+  std::string why;
+  const bool training = call.pass == Pass::kBackward || call.query.requires_grad() || call.key.requires_grad() ||
+                        call.value.requires_grad();
+  // `auto` keeps masked and dropout calls off the layer until a GPU run proves those paths; `sdpa` sends them there.
+  const auto backend = stock::cuda_backend(call.query, call.key, call.value, call.mask, call.is_causal, call.dropout_p,
+                                           training, /*take_masks=*/switch_value("FASTMHA_CUDA_MASKED") == "sdpa",
+                                           /*take_dropout=*/switch_value("FASTMHA_CUDA_DROPOUT") == "sdpa", &why);
+  if (backend.has_value()) {
+    static const char* const names[] = {"", "flash", "memory-efficient", "cuDNN"};
+    const std::string what = call.dropout_p > 0 ? "dropout with FASTMHA_CUDA_DROPOUT=sdpa (torch's own dropout masks, "
+                                                  "reproducible under torch.manual_seed, not the CPU's): "
+                                                : "no kept weights or dropout: ";
+    return {K::kStockCuda, what + "SDPA's fused " + names[static_cast<int>(*backend)] + " kernel for this call",
+            backend};
+  }
   if (call.dropout_p > 0) {
     // torch's fused kernels draw other masks. On an H200 (bf16, 1024-16384 keys) the flash kernels ran 1.3-1.8x
     // the composite's speed forward, 1.1-1.2x forward and backward, in a fraction of its memory.
@@ -215,19 +230,6 @@ KernelChoice choose_cuda_kernel(const AttentionCall& call) {
     return {K::kOwnCuda,
             "dropout: fastmha's flash kernels draw its reproducible Philox stream (the CPU's masks) without an "
             "Lq x Lk buffer"};
-  }
-  std::string why;
-  const bool training = call.pass == Pass::kBackward || call.query.requires_grad() || call.key.requires_grad() ||
-                        call.value.requires_grad();
-  // `auto` keeps masked calls off the layer until a GPU run proves its masked path; `sdpa` sends them there.
-  const auto backend = stock::cuda_backend(call.query, call.key, call.value, call.mask, call.is_causal, training,
-                                           /*take_masks=*/switch_value("FASTMHA_CUDA_MASKED") == "sdpa", &why);
-  if (backend.has_value()) {
-    static const char* const names[] = {"", "flash", "memory-efficient", "cuDNN"};
-    return {K::kStockCuda,
-            std::string("no kept weights or dropout: SDPA's fused ") + names[static_cast<int>(*backend)] +
-                " kernel for this call",
-            backend};
   }
   // On an H200 in bf16 (1024-16384 keys, no mask) fastmha's flash kernels ran the forward 1.3-1.9x the
   // composite's speed (2.5-4.3x with is_causal), forward and backward 1.1-1.4x, with no Lq x Lk buffer.
@@ -245,9 +247,10 @@ KernelChoice choose_cuda_kernel(const AttentionCall& call) {
 // have not yet run on a GPU.
 KernelChoice choose_cuda(const AttentionCall& call) {
   // Checked at every CUDA call, as FASTMHA_CUDA_FLASH is below: a misspelt value fails whichever kernel runs.
-  const auto masked = switch_value("FASTMHA_CUDA_MASKED");
-  TORCH_CHECK(masked == "auto" || masked == "sdpa", "fastmha: FASTMHA_CUDA_MASKED must be auto or sdpa, got '", masked,
-              "'");
+  for (const char* name : {"FASTMHA_CUDA_MASKED", "FASTMHA_CUDA_DROPOUT"}) {
+    const auto value = switch_value(name);
+    TORCH_CHECK(value == "auto" || value == "sdpa", "fastmha: ", name, " must be auto or sdpa, got '", value, "'");
+  }
   auto choice = choose_cuda_kernel(call);
   const auto variant = switch_value("FASTMHA_CUDA_FLASH");
   TORCH_CHECK(variant == "auto" || variant == "wmma" || variant == "mma" || variant == "mma16",

@@ -4,8 +4,9 @@ Every test runs with the default kernel choice (fastmha's row kernels for kept w
 SDPA's fused kernels behind the contract layer without a mask or dropout, else fastmha's flash kernels in half
 types and the ATen composite in float32), with FASTMHA_CUDA_KERNELS=own (fastmha's flash kernels for
 need_weights=False), and with that and FASTMHA_CUDA_FLASH=mma or mma16 (the register-resident forward and
-backward in half types with head sizes up to 128); the tests of masked calls (marked `masked`) once more with
-FASTMHA_CUDA_MASKED=sdpa (SDPA's memory-efficient kernel given the contract layer's bias). Forward and
+backward in half types with head sizes up to 128); the tests of masked and dropout calls (marked `sdpa`) once more
+with FASTMHA_CUDA_MASKED=sdpa and FASTMHA_CUDA_DROPOUT=sdpa (SDPA's memory-efficient kernel given the contract
+layer's bias, drawing torch's own dropout masks). Forward and
 backward, across every padded head size (64/128/256, d_v != d_k), lengths around the tile edges, broadcast
 masks of several dtypes with fully masked rows, is_causal with block skipping, dropout (reproducible, shared
 by both paths, replayed by the backward), strided inputs, side streams, CUDA graphs and gradcheck in float64.
@@ -33,18 +34,19 @@ GRAD_TOLERANCES = {**TOLERANCES, torch.float32: dict(atol=5e-5, rtol=2e-4), torc
 
 
 # The switches of each mode. own-mma(16): the register-resident mma kernels where they apply (half types,
-# d <= 128). sdpa-masks: masked calls without weights or dropout go to SDPA's memory-efficient kernel.
+# d <= 128). sdpa-switches: masked and dropout calls without weights go to SDPA's memory-efficient kernel.
 KERNEL_MODES = {"auto": {"FASTMHA_CUDA_KERNELS": "auto"}, "own": {"FASTMHA_CUDA_KERNELS": "own"},
                 "own-mma": {"FASTMHA_CUDA_KERNELS": "own", "FASTMHA_CUDA_FLASH": "mma"},
                 "own-mma16": {"FASTMHA_CUDA_KERNELS": "own", "FASTMHA_CUDA_FLASH": "mma16"},
-                "sdpa-masks": {"FASTMHA_CUDA_KERNELS": "auto", "FASTMHA_CUDA_MASKED": "sdpa"}}
+                "sdpa-switches": {"FASTMHA_CUDA_KERNELS": "auto", "FASTMHA_CUDA_MASKED": "sdpa",
+                                  "FASTMHA_CUDA_DROPOUT": "sdpa"}}
 
 
 @pytest.fixture(autouse=True, params=list(KERNEL_MODES))
 def kernel_mode(request, monkeypatch):
-    if request.param == "sdpa-masks" and request.node.get_closest_marker("masked") is None:
-        pytest.skip("no masked call: the same kernels as auto")
-    for name in ("FASTMHA_CUDA_FLASH", "FASTMHA_CUDA_MASKED"):  # whatever the environment held
+    if request.param == "sdpa-switches" and request.node.get_closest_marker("sdpa") is None:
+        pytest.skip("no masked or dropout call: the same kernels as auto")
+    for name in ("FASTMHA_CUDA_FLASH", "FASTMHA_CUDA_MASKED", "FASTMHA_CUDA_DROPOUT"):  # whatever the environment held
         monkeypatch.delenv(name, raising=False)
     for name, value in KERNEL_MODES[request.param].items():
         monkeypatch.setenv(name, value)
@@ -91,7 +93,7 @@ def check(dtype, got, want, grads=False):
     torch.testing.assert_close(got.double() / scale, want.double() / scale, **tol)
 
 
-@pytest.mark.masked
+@pytest.mark.sdpa
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d_k,d_v", [(16, 16), (64, 64), (100, 72), (128, 128), (200, 256)])
 @pytest.mark.parametrize("need_weights", [False, True])
@@ -114,7 +116,7 @@ def test_forward_backward_match_oracle(dtype, d_k, d_v, need_weights):
         check(dtype, got, want, grads=True)
 
 
-@pytest.mark.masked
+@pytest.mark.sdpa
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lq,lk", [(1, 1), (1, 300), (63, 64), (65, 65), (300, 1), (257, 511)])
 @pytest.mark.parametrize("need_weights", [False, True])
@@ -143,7 +145,7 @@ def padded_mask(kind, lengths, length):
     return padding if kind == "keys" else padding * torch.tril(torch.ones(length, length, device="cuda")).long()
 
 
-@pytest.mark.masked
+@pytest.mark.sdpa
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("kind,is_causal", [("keys", False), ("decoder", False), ("left", True)])
@@ -151,7 +153,7 @@ def test_padded_batches_match_oracle(kernel_mode, dtype, d, kind, is_causal):
     # The flash kernels skip the tiles of scores that no row of a tile sees (here most of them).
     q, k, v = inputs(3, 2, 350, 350, d, d, dtype, strided=True)
     mask = padded_mask(kind, [27, 64, 300], 350)
-    if kernel_mode == "sdpa-masks":  # the switch's kernel runs these calls (not a silent fallback)
+    if kernel_mode == "sdpa-switches":  # the switch's kernel runs these calls (not a silent fallback)
         explanation = fastmha.explain(q, k, v, mask, 0.0, False, is_causal)
         assert explanation.count("torch-cuda-sdpa") == 2, explanation
     q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
@@ -163,7 +165,7 @@ def test_padded_batches_match_oracle(kernel_mode, dtype, d, kind, is_causal):
         check(dtype, got, want, grads=True)
 
 
-@pytest.mark.masked
+@pytest.mark.sdpa
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("where,value", [("v", float("nan")), ("k", float("inf")), ("q", float("inf"))])
 @pytest.mark.parametrize("is_causal", [False, True])
@@ -180,7 +182,7 @@ def test_nan_behind_skipped_tiles_propagates_like_the_oracle(kernel_mode, dtype,
     # With FASTMHA_CUDA_MASKED=sdpa torch's kernel adds the mask as a -inf bias: a non-finite score at a hidden key
     # (an infinite key or query) turns its row NaN where the contract's -1e9 keeps it finite, and the backward
     # spreads that over the head (the switch's documented deviation). There NaN may spread, never vanish.
-    spreads = kernel_mode == "sdpa-masks" and where in ("k", "q")
+    spreads = kernel_mode == "sdpa-switches" and where in ("k", "q")
     for got, want in zip((out, *torch.autograd.grad(out, (q, k, v), grad_out)), (ref_out, *ref_grads)):
         if spreads:
             assert (got.isnan() | ~want.isnan()).all()
@@ -218,12 +220,12 @@ def test_auto_runs_a_fused_kernel_wherever_sdpa_does_without_a_mask(kernel_mode,
     assert explanation.count("torch-cuda-sdpa") == 2, explanation
 
 
-@pytest.mark.masked
+@pytest.mark.sdpa
 @pytest.mark.parametrize("dtype,default_kernel", [(torch.bfloat16, "fastmha-cuda"), (torch.float32, "aten-composite")])
 def test_the_choice_for_masked_calls(kernel_mode, monkeypatch, dtype, default_kernel):
     # By default masked calls stay off torch's kernels: fastmha's flash kernels in half types, the composite in
     # float32. FASTMHA_CUDA_MASKED=sdpa sends them to SDPA's memory-efficient kernel from 64 keys on.
-    if kernel_mode not in ("auto", "sdpa-masks"):
+    if kernel_mode not in ("auto", "sdpa-switches"):
         pytest.skip("the choice of FASTMHA_CUDA_KERNELS=auto")
     q, k, v = inputs(2, 4, 256, 256, 64, 64, dtype)
     mask = torch.rand(2, 1, 1, 256, device="cuda") > 0.2
@@ -234,12 +236,14 @@ def test_the_choice_for_masked_calls(kernel_mode, monkeypatch, dtype, default_ke
     assert explanation.count("torch-cuda-sdpa") == 2 and "memory-efficient" in explanation, explanation
     few_keys = fastmha.explain(q, k[:, :, :10], v[:, :, :10], mask[..., :10], 0.0, False)
     assert "torch-cuda-sdpa" not in few_keys, few_keys  # below the memory-efficient kernel's key tile
-    monkeypatch.setenv("FASTMHA_CUDA_MASKED", "always")
-    with pytest.raises(RuntimeError, match="FASTMHA_CUDA_MASKED must be auto or sdpa, got 'always'"):
-        attention(q, k, v, mask)
+    for switch in ("FASTMHA_CUDA_MASKED", "FASTMHA_CUDA_DROPOUT"):
+        monkeypatch.setenv(switch, "always")
+        with pytest.raises(RuntimeError, match=f"{switch} must be auto or sdpa, got 'always'"):
+            attention(q, k, v, mask)
+        monkeypatch.setenv(switch, "sdpa")
 
 
-@pytest.mark.masked
+@pytest.mark.sdpa
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_masked_calls_are_captured_by_cuda_graphs(dtype):
     # Nothing on a masked call's path reads a value back to the host (the layer finds the rows with no visible key
@@ -282,7 +286,7 @@ def test_the_flash_switch_names_the_kernels_that_run(kernel_mode, monkeypatch, d
         attention(q, k, v)
 
 
-@pytest.mark.masked
+@pytest.mark.sdpa
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.uint8, torch.int64, torch.float16, torch.float64])
 @pytest.mark.parametrize("shape", [(97,), (1, 97), (2, 1, 1, 97), (3, 130, 97), (2, 3, 130, 97)])
 def test_mask_shapes_and_dtypes(mask_dtype, shape):
@@ -303,6 +307,7 @@ def keep_mask_of(q, k, v, mask, p, is_causal, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_dropout_is_reproducible_shared_by_both_paths_and_replayed_by_backward(dtype, is_causal):
+    # (Not in the sdpa-switches mode, whose dropout draws torch's masks: see the next test.)
     p = 0.3
     q, k, v = inputs(2, 2, 150, 150, 64, 64, dtype)
     mask = mask_with_dead_rows(2, 150, 150, torch.bool)
@@ -315,6 +320,45 @@ def test_dropout_is_reproducible_shared_by_both_paths_and_replayed_by_backward(d
     q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
     torch.manual_seed(11)
     out, _ = attention(q, k, v, mask, p, need_weights=False, is_causal=is_causal)  # the flash path
+    grad_out = torch.randn_like(out)
+    ref_out, _, ref_grads = reference(q, k, v, full_mask, grad_out, keep=keep, p=p)
+    check(dtype, out, ref_out)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad_out), ref_grads):
+        check(dtype, got, want, grads=True)
+
+
+@pytest.mark.sdpa
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("masked,is_causal", [(False, False), (True, False), (True, True)])
+def test_dropout_on_sdpa_is_reproducible_and_replayed_by_backward(kernel_mode, dtype, masked, is_causal):
+    # FASTMHA_CUDA_DROPOUT=sdpa: torch's memory-efficient kernel draws its own masks. The first 64 columns of V are
+    # the identity, so the output's first 64 columns are the dropped-out weights themselves: the mask is read off
+    # the output, and the backward must replay it.
+    if kernel_mode != "sdpa-switches":
+        pytest.skip("the dropout of FASTMHA_CUDA_DROPOUT=sdpa")
+    p, lq, lk = 0.3, 100, 64
+    q, k, _ = inputs(2, 2, lq, lk, 128, 128, dtype)
+    v = torch.cat([torch.eye(lk, device="cuda").expand(2, 2, lk, lk), torch.randn(2, 2, lk, 128 - lk, device="cuda")],
+                  dim=-1).to(dtype)
+    mask = mask_with_dead_rows(2, lq, lk, torch.bool) if masked else None
+    full_mask = causal_and(mask, lq, lk) if is_causal else mask
+    explanation = fastmha.explain(q, k, v, mask, p, False, is_causal)
+    assert explanation.count("torch-cuda-sdpa") == 2 and "FASTMHA_CUDA_DROPOUT=sdpa" in explanation, explanation
+
+    def run(seed):
+        torch.manual_seed(seed)
+        return attention(q, k, v, mask, p, is_causal=is_causal)[0]
+
+    first = run(11)
+    assert torch.equal(first, run(11))  # same seed, same mask
+    assert not torch.equal(first, run(12))
+    keep = first[..., :lk] != 0  # weights are never exactly 0 except where the mask hides a key
+    visible = torch.ones_like(keep) if full_mask is None else (full_mask != 0).expand_as(keep)
+    dead = ~visible.any(-1, keepdim=True)
+    assert 0.6 < keep[visible | dead].float().mean().item() < 0.8
+    q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
+    torch.manual_seed(11)
+    out, _ = attention(q, k, v, mask, p, is_causal=is_causal)
     grad_out = torch.randn_like(out)
     ref_out, _, ref_grads = reference(q, k, v, full_mask, grad_out, keep=keep, p=p)
     check(dtype, out, ref_out)
@@ -344,7 +388,7 @@ def test_weights_kept_long_rows_match_oracle(kernel_mode, dtype, lk):
         check(dtype, got, want, grads=True)
 
 
-@pytest.mark.masked
+@pytest.mark.sdpa
 @pytest.mark.parametrize("need_weights", [False, True])
 def test_gradcheck_float64(need_weights):
     q, k, v = (x.requires_grad_(True) for x in inputs(1, 2, 9, 13, 5, 7, torch.float64))
@@ -379,6 +423,7 @@ def test_side_stream_and_inputs_unchanged():
         assert torch.equal(x, copy)
 
 
+@pytest.mark.sdpa
 def test_cuda_graph_capture_with_dropout():
     # Each replay must draw fresh dropout (the Philox offset is read on the device), like eager calls do.
     q, k, v = inputs(1, 2, 128, 128, 64, 64, torch.float16)
@@ -424,7 +469,7 @@ def test_nan_and_inf_propagate_like_the_oracle(need_weights, where, value):
     torch.testing.assert_close(out.cpu(), ref_out, equal_nan=True)
 
 
-@pytest.mark.masked
+@pytest.mark.sdpa
 def test_our_kernels_agree_with_the_aten_path(tmp_path, kernel_mode):
     # The same calls in a process with FASTMHA_CUDA_KERNELS=aten (the ATen composite).
     script = tmp_path / "calls.py"

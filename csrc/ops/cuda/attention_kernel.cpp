@@ -19,6 +19,7 @@
 #include "ops/cuda/attention_kernels.h"
 #include "ops/cuda/kernel_params_builder.h"
 #include "ops/cuda/scores_gemm.h"
+#include "ops/cuda/torch_philox_state.h"
 #include "ops/heads.h"
 #include "ops/kernel_choice.h"
 #include "ops/stock/stock_attention.h"
@@ -81,7 +82,13 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
   const auto choice = choose_kernel_logged(call);
   const auto kernel = choice.kernel;
   if (kernel == AttentionKernel::kStockCuda) {
-    return stock::attention_forward(query, key, value, mask, is_causal, choice.sdpa_backend);
+    if (dropout_p == 0) {
+      return stock::attention_forward(query, key, value, mask, is_causal, choice.sdpa_backend);
+    }
+    stock::TorchPhilox drawn;
+    auto result = stock::attention_forward(query, key, value, mask, is_causal, choice.sdpa_backend, dropout_p, &drawn);
+    std::get<3>(result) = rng_state_of(drawn, query.device());
+    return result;
   }
   if (kernel == AttentionKernel::kAten) {
     check_cuda_dropout_runs(query, dropout_p);
@@ -204,8 +211,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
   const auto choice = choose_kernel_logged(call);
   const auto kernel = choice.kernel;
   if (kernel == AttentionKernel::kStockCuda) {
+    if (dropout_p == 0) {
+      return stock::attention_backward(grad_output, query, key, value, mask, output, logsumexp, is_causal,
+                                       choice.sdpa_backend);
+    }
+    const auto drawn = torch_philox_of(rng_state);
     return stock::attention_backward(grad_output, query, key, value, mask, output, logsumexp, is_causal,
-                                     choice.sdpa_backend);
+                                     choice.sdpa_backend, dropout_p, &drawn);
   }
   if (kernel == AttentionKernel::kAten) {
     check_cuda_dropout_runs(query, dropout_p);

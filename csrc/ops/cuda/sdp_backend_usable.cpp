@@ -10,13 +10,13 @@ namespace fastmha::stock {
 namespace {
 
 bool usable(CudaBackend backend, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-            const std::optional<at::Tensor>& bias, bool is_causal) {
+            const std::optional<at::Tensor>& bias, double dropout_p, bool is_causal) {
   sdp::sdp_params params;
   params.query = query;
   params.key = key;
   params.value = value;
   params.attn_mask = bias;
-  params.dropout = 0.0;
+  params.dropout = dropout_p;
   params.is_causal = is_causal;
   params.enable_gqa = false;
   const auto& context = at::globalContext();

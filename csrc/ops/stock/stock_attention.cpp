@@ -77,15 +77,20 @@ at::Tensor op_lse_shape(const at::Tensor& lse, const at::Tensor& query) {
 void set_cuda_backend_usable(CudaBackendUsable usable) { backend_usable() = usable; }
 
 std::optional<CudaBackend> cuda_backend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                                        const std::optional<at::Tensor>& mask, bool is_causal, bool training,
-                                        bool take_masks, std::string* why) {
+                                        const std::optional<at::Tensor>& mask, bool is_causal, double dropout_p,
+                                        bool training, bool take_masks, bool take_dropout, std::string* why) {
   const auto refuse = [&](std::string reason) -> std::optional<CudaBackend> {
     if (why != nullptr) {
       *why = std::move(reason);
     }
     return std::nullopt;
   };
-  if (mask.has_value() && !take_masks) {
+  if (dropout_p > 0 && !take_dropout) {
+    return refuse(
+        "dropout: torch's CUDA kernels draw other masks than fastmha's, taken only with "
+        "FASTMHA_CUDA_DROPOUT=sdpa (unproven on a GPU)");
+  }
+  if (mask.has_value() && !take_masks && dropout_p == 0) {
     return refuse(
         "a mask: the layer hands torch's CUDA kernels a bias only with FASTMHA_CUDA_MASKED=sdpa (unproven on a GPU)");
   }
@@ -107,18 +112,19 @@ std::optional<CudaBackend> cuda_backend(const at::Tensor& query, const at::Tenso
   const bool causal_flag = is_causal && !mask.has_value();
   int64_t choice = 0;
   try {
-    choice = at::_fused_sdp_choice(q, k, v, bias_like, 0.0, causal_flag, softmax_scale(query));
+    choice = at::_fused_sdp_choice(q, k, v, bias_like, dropout_p, causal_flag, softmax_scale(query));
   } catch (const c10::Error& error) {  // no kernel SDPA may run (its math kernel disabled too)
     return refuse(std::string("SDPA finds no kernel it may run: ") + error.what_without_backtrace());
   }
   const auto usable = [&](CudaBackend backend) {
     const auto provider = backend_usable();
-    return provider != nullptr && provider(backend, q, k, v, bias_like, causal_flag);
+    return provider != nullptr && provider(backend, q, k, v, bias_like, dropout_p, causal_flag);
   };
   std::optional<CudaBackend> pick;
-  if (mask.has_value()) {
+  if (mask.has_value() || dropout_p > 0) {
     // With a bias the layer calls the memory-efficient kernel only: flash takes none, and cuDNN's has not been
-    // checked against the contract (torch 2.10 ran some cuDNN calls as if their bias were absent).
+    // checked against the contract (torch 2.10 ran some cuDNN calls as if their bias were absent). With dropout
+    // too: one kernel whose draw the backward replays, masked or not.
     if (choice == static_cast<int64_t>(CudaBackend::kEfficient) || usable(CudaBackend::kEfficient)) {
       pick = CudaBackend::kEfficient;
     }
@@ -140,15 +146,19 @@ std::optional<CudaBackend> cuda_backend(const at::Tensor& query, const at::Tenso
   }
   if (!pick.has_value()) {
     return refuse("SDPA would run backend " + std::to_string(choice) + ", which the layer does not wrap " +
-                  (mask.has_value() ? "with a mask" : "here") + ", and no other fused kernel takes the call");
+                  (mask.has_value() || dropout_p > 0 ? "with a mask or dropout" : "here") +
+                  ", and no other fused kernel takes the call");
   }
   return pick;
 }
 
 detail::AttentionForwardResult attention_forward(const at::Tensor& query, const at::Tensor& user_key,
                                                  const at::Tensor& user_value, const std::optional<at::Tensor>& mask,
-                                                 bool is_causal, std::optional<CudaBackend> cuda) {
+                                                 bool is_causal, std::optional<CudaBackend> cuda, double dropout_p,
+                                                 TorchPhilox* drawn) {
   TORCH_INTERNAL_ASSERT(query.is_cpu() || cuda.has_value(), "the stock CUDA path needs the chosen SDPA backend");
+  TORCH_INTERNAL_ASSERT(dropout_p == 0 || (cuda == CudaBackend::kEfficient && drawn != nullptr),
+                        "the layer runs dropout on the memory-efficient CUDA kernel only, and keeps its draw");
   const auto key = unit_last_stride(user_key), value = unit_last_stride(user_value);
   const auto p = contract_inputs_for(query, key, mask, is_causal, cuda);
   const double scale = softmax_scale(query);
@@ -167,8 +177,11 @@ detail::AttentionForwardResult attention_forward(const at::Tensor& query, const 
     logsumexp = op_lse_shape(std::get<1>(result), query);
   } else {
     auto result =
-        at::_scaled_dot_product_efficient_attention(p.query, key, value, p.bias, true, 0.0, p.is_causal, scale);
+        at::_scaled_dot_product_efficient_attention(p.query, key, value, p.bias, true, dropout_p, p.is_causal, scale);
     output = std::get<0>(result);
+    if (drawn != nullptr) {
+      *drawn = {std::get<2>(result), std::get<3>(result)};
+    }
     logsumexp = std::get<1>(result).slice(-1, 0, query.size(2)).contiguous();
   }
   // The stock kernels write (B, Lq, H, ...) memory; the op's contract (and its Meta kernel) is the query's layout.
@@ -179,8 +192,10 @@ detail::AttentionForwardResult attention_forward(const at::Tensor& query, const 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad_output, const at::Tensor& query, const at::Tensor& user_key, const at::Tensor& user_value,
     const std::optional<at::Tensor>& mask, const at::Tensor& user_output, const at::Tensor& saved_logsumexp,
-    bool is_causal, std::optional<CudaBackend> cuda) {
+    bool is_causal, std::optional<CudaBackend> cuda, double dropout_p, const TorchPhilox* drawn) {
   TORCH_INTERNAL_ASSERT(query.is_cpu() || cuda.has_value(), "the stock CUDA path needs the chosen SDPA backend");
+  TORCH_INTERNAL_ASSERT(dropout_p == 0 || (cuda == CudaBackend::kEfficient && drawn != nullptr),
+                        "the layer replays dropout on the memory-efficient CUDA kernel only, from its forward's draw");
   const auto key = unit_last_stride(user_key), value = unit_last_stride(user_value);
   const auto output = unit_last_stride(user_output);
   const auto p = contract_inputs_for(query, key, mask, is_causal, cuda);
@@ -209,7 +224,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
       const auto lse = at::constant_pad_nd(logsumexp, {0, padded - len_q});
       auto grads = at::_scaled_dot_product_efficient_attention_backward(
           efficient_layout(grad_out), p.query, key, value, p.bias.value_or(at::Tensor()), efficient_layout(output), lse,
-          unused_seed, unused_seed, 0.0, {true, true, true, false}, p.is_causal, scale);
+          drawn != nullptr ? drawn->seed : unused_seed, drawn != nullptr ? drawn->offset : unused_seed, dropout_p,
+          {true, true, true, false}, p.is_causal, scale);
       grad_q = std::get<0>(grads);
       grad_k = std::get<1>(grads);
       grad_v = std::get<2>(grads);

@@ -1,0 +1,32 @@
+#include "ops/cuda/torch_philox_state.h"
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAGraphsUtils.cuh>
+
+namespace fastmha {
+
+at::Tensor rng_state_of(const stock::TorchPhilox& drawn, const at::Device& device) {
+  if (drawn.seed.is_cuda()) {
+    return at::cat({drawn.seed.reshape({1}), drawn.offset.reshape({1})}).to(at::kLong);
+  }
+  auto host = at::empty({2}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  auto* state = host.data_ptr<int64_t>();
+  state[0] = drawn.seed.item<int64_t>();
+  state[1] = drawn.offset.item<int64_t>();
+  return host.to(device, /*non_blocking=*/true);
+}
+
+stock::TorchPhilox torch_philox_of(const at::Tensor& rng_state) {
+  TORCH_CHECK(rng_state.numel() == 2 && rng_state.scalar_type() == at::kLong,
+              "fastmha: rng_state must hold 2 int64 values (seed, offset), got ", rng_state.sizes(), " ",
+              rng_state.scalar_type());
+  if (at::cuda::currentStreamCaptureStatus() != at::cuda::CaptureStatus::None) {
+    TORCH_CHECK(rng_state.is_cuda(), "fastmha: a captured backward needs its rng_state on the GPU");
+    const auto state = rng_state.contiguous();
+    return {state.select(0, 0), state.select(0, 1)};
+  }
+  const auto host = rng_state.to(at::kCPU).contiguous();
+  return {host.select(0, 0), host.select(0, 1)};
+}
+
+}  // namespace fastmha
