@@ -14,6 +14,10 @@
 
 #include "ops/cpu/attention_params.h"
 #include "ops/dropout.h"
+#include "ops/kernel_choice.h"
+#ifdef FASTMHA_WITH_CUDA
+#include "ops/cuda/torch_philox_state.h"
+#endif
 
 namespace fastmha {
 namespace {
@@ -54,6 +58,12 @@ at::Tensor dropout_multipliers_meta(c10::SymIntArrayRef sizes, double p, at::Sca
 at::Tensor dropout_multipliers_cuda(c10::SymIntArrayRef sizes, double p, at::ScalarType dtype,
                                     const at::Tensor& rng_state) {
   check_multipliers_args(p, dtype, rng_state);
+  // These multipliers replay fastmha's stream (a double backward rebuilds the weights from them); torch's kernel
+  // draws another, which only its own backward replays.
+  TORCH_CHECK(p == 0 || !cuda_dropout_on_sdpa() || dropout_draw_of(rng_state) != DropoutDraw::kTorch,
+              "fastmha: this call's dropout was drawn by SDPA's memory-efficient kernel (FASTMHA_CUDA_DROPOUT=sdpa), "
+              "whose mask fastmha cannot rebuild for a double backward (create_graph=True) or a replay; run such calls "
+              "without FASTMHA_CUDA_DROPOUT=sdpa");
   return cuda_dropout_kernels().replay(C10_AS_INTARRAYREF_SLOW(sizes), p,
                                        at::TensorOptions().dtype(dtype).device(rng_state.device()), rng_state);
 }

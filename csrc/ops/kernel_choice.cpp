@@ -156,6 +156,12 @@ KernelChoice choose_cuda_kernel(const AttentionCall& call) {
   const auto mode = switch_value("FASTMHA_CUDA_KERNELS");
   TORCH_CHECK(mode == "auto" || mode == "own" || mode == "aten",
               "fastmha: FASTMHA_CUDA_KERNELS must be auto, own or aten, got '", mode, "'");
+  if (call.drawn == DropoutDraw::kTorch) {  // only torch's backward replays torch's draw
+    return {K::kStockCuda,
+            "the forward's dropout was drawn by SDPA's memory-efficient kernel (FASTMHA_CUDA_DROPOUT=sdpa): its "
+            "backward replays it",
+            stock::CudaBackend::kEfficient};
+  }
   if (mode == "aten") {
     return {K::kAten, "FASTMHA_CUDA_KERNELS=aten"};
   }
@@ -208,9 +214,10 @@ KernelChoice choose_cuda_kernel(const AttentionCall& call) {
   const bool training = call.pass == Pass::kBackward || call.query.requires_grad() || call.key.requires_grad() ||
                         call.value.requires_grad();
   // `auto` keeps masked and dropout calls off the layer until a GPU run proves those paths; `sdpa` sends them there.
-  const auto backend = stock::cuda_backend(call.query, call.key, call.value, call.mask, call.is_causal, call.dropout_p,
-                                           training, /*take_masks=*/switch_value("FASTMHA_CUDA_MASKED") == "sdpa",
-                                           /*take_dropout=*/switch_value("FASTMHA_CUDA_DROPOUT") == "sdpa", &why);
+  const auto backend =
+      stock::cuda_backend(call.query, call.key, call.value, call.mask, call.is_causal, call.dropout_p, training,
+                          /*take_masks=*/switch_value("FASTMHA_CUDA_MASKED") == "sdpa",
+                          /*take_dropout=*/cuda_dropout_on_sdpa() && call.drawn != DropoutDraw::kFastmha, &why);
   if (backend.has_value()) {
     static const char* const names[] = {"", "flash", "memory-efficient", "cuDNN"};
     const std::string what = call.dropout_p > 0 ? "dropout with FASTMHA_CUDA_DROPOUT=sdpa (torch's own dropout masks, "
@@ -294,6 +301,8 @@ const char* kernel_name(AttentionKernel kernel) {
 }
 
 void set_cuda_facts_provider(CudaFactsProvider provider) { cuda_facts_provider() = provider; }
+
+bool cuda_dropout_on_sdpa() { return switch_value("FASTMHA_CUDA_DROPOUT") == "sdpa"; }
 
 KernelChoice choose_kernel(const AttentionCall& call) {
   if (call.query.is_cpu()) {

@@ -26,6 +26,8 @@ const char* kernel_name(AttentionKernel kernel);
 
 enum class Pass { kForward, kBackward };
 
+enum class DropoutDraw { kUnknown, kFastmha, kTorch };
+
 // What a call asks for. In a backward `need_weights` is true when the weights carry a gradient (the loss read the
 // weights its forward kept), and `weights_at_hand` when the kept weights themselves are given.
 struct AttentionCall {
@@ -40,6 +42,9 @@ struct AttentionCall {
   // A backward given the weights its forward (float32 or float64, dropout up to 0.1) kept: fastmha's takes P from
   // them.
   bool weights_at_hand = false;
+  // A CUDA backward with dropout: whose stream its forward drew (FASTMHA_CUDA_DROPOUT=sdpa lets torch's kernel draw),
+  // when known. The backward must replay that draw whatever the switches say now.
+  DropoutDraw drawn = DropoutDraw::kUnknown;
 };
 
 struct KernelChoice {
@@ -58,6 +63,9 @@ struct KernelChoice {
 };
 
 KernelChoice choose_kernel(const AttentionCall& call);
+
+// Whether FASTMHA_CUDA_DROPOUT=sdpa lets torch's kernel draw the dropout of CUDA calls without kept weights.
+bool cuda_dropout_on_sdpa();
 
 // Whether a backward's forward kept the weights: the weights' gradient is passed (it may be undefined when
 // the weights were not used, and the dispatcher may turn that into no value; the saved log-sum-exp means the

@@ -21,6 +21,7 @@ import torch
 from conftest import TOLERANCES
 from oracle import oracle_attention
 from torch.autograd import gradcheck
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fastmha  # noqa: F401
 
@@ -327,6 +328,22 @@ def test_dropout_is_reproducible_shared_by_both_paths_and_replayed_by_backward(d
         check(dtype, got, want, grads=True)
 
 
+def check_output_and_grads(dtype, out, q, k, v, mask, keep, p):
+    """out, a call's output of q, k, v (which require grad), and its gradients against the oracle's with this
+    dropout keep-mask."""
+    grad_out = torch.randn_like(out)
+    ref_out, _, ref_grads = reference(q, k, v, mask, grad_out, keep=keep, p=p)
+    check(dtype, out, ref_out)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad_out), ref_grads):
+        check(dtype, got, want, grads=True)
+
+
+def identity_first_values(batch, heads, lk, d, dtype):
+    """V whose first lk columns are the identity: the output's first lk columns are then the applied weights."""
+    eye = torch.eye(lk, device="cuda").expand(batch, heads, lk, lk)
+    return torch.cat([eye, torch.randn(batch, heads, lk, d - lk, device="cuda")], dim=-1).to(dtype)
+
+
 @pytest.mark.sdpa
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("masked,is_causal", [(False, False), (True, False), (True, True)])
@@ -338,8 +355,7 @@ def test_dropout_on_sdpa_is_reproducible_and_replayed_by_backward(kernel_mode, d
         pytest.skip("the dropout of FASTMHA_CUDA_DROPOUT=sdpa")
     p, lq, lk = 0.3, 100, 64
     q, k, _ = inputs(2, 2, lq, lk, 128, 128, dtype)
-    v = torch.cat([torch.eye(lk, device="cuda").expand(2, 2, lk, lk), torch.randn(2, 2, lk, 128 - lk, device="cuda")],
-                  dim=-1).to(dtype)
+    v = identity_first_values(2, 2, lk, 128, dtype)
     mask = mask_with_dead_rows(2, lq, lk, torch.bool) if masked else None
     full_mask = causal_and(mask, lq, lk) if is_causal else mask
     explanation = fastmha.explain(q, k, v, mask, p, False, is_causal)
@@ -359,11 +375,49 @@ def test_dropout_on_sdpa_is_reproducible_and_replayed_by_backward(kernel_mode, d
     q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
     torch.manual_seed(11)
     out, _ = attention(q, k, v, mask, p, is_causal=is_causal)
+    check_output_and_grads(dtype, out, q, k, v, full_mask, keep, p)
+
+
+@pytest.mark.sdpa
+@pytest.mark.parametrize("forward_in", ["weights kept", "math only"])
+def test_a_backward_replays_fastmha_draw_under_the_dropout_switch(kernel_mode, forward_in):
+    # With FASTMHA_CUDA_DROPOUT=sdpa a forward still draws fastmha's stream where it keeps its weights or where torch's
+    # memory-efficient kernel is disabled; its backward (no weight gradient; outside that setting) must replay that
+    # stream, not hand it to torch's kernel.
+    if kernel_mode != "sdpa-switches":
+        pytest.skip("the dropout of FASTMHA_CUDA_DROPOUT=sdpa")
+    p, dtype = 0.3, torch.bfloat16
+    q, k, v = inputs(2, 2, 100, 96, 64, 64, dtype)
+    mask = mask_with_dead_rows(2, 100, 96, torch.bool)
+    keep = keep_mask_of(q, k, v, mask, p, False, seed=7)  # fastmha's stream, read off the kept weights
+    q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
+    torch.manual_seed(7)
+    if forward_in == "weights kept":
+        out, _ = attention(q, k, v, mask, p, need_weights=True)  # the loss reads the output only
+    else:
+        with sdpa_kernel(SDPBackend.MATH):
+            out, _ = attention(q, k, v, mask, p)
+    check_output_and_grads(dtype, out, q, k, v, mask, keep, p)
+
+
+@pytest.mark.sdpa
+def test_torch_draw_is_replayed_where_its_kernel_is_disabled_and_refused_to_double_backward(kernel_mode):
+    if kernel_mode != "sdpa-switches":
+        pytest.skip("the dropout of FASTMHA_CUDA_DROPOUT=sdpa")
+    p, lk, dtype = 0.3, 64, torch.bfloat16
+    q, k, _ = inputs(2, 2, 100, lk, 128, 128, dtype)
+    v = identity_first_values(2, 2, lk, 128, dtype)
+    q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
+    out, _ = attention(q, k, v, None, p)  # torch's draw
+    keep = out.detach()[..., :lk] != 0
     grad_out = torch.randn_like(out)
-    ref_out, _, ref_grads = reference(q, k, v, full_mask, grad_out, keep=keep, p=p)
-    check(dtype, out, ref_out)
-    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad_out), ref_grads):
+    ref_out, _, ref_grads = reference(q, k, v, None, grad_out, keep=keep, p=p)
+    with sdpa_kernel(SDPBackend.MATH):  # the backward still replays torch's draw on torch's kernel
+        grads = torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True)
+    for got, want in zip(grads, ref_grads):
         check(dtype, got, want, grads=True)
+    with pytest.raises(RuntimeError, match="FASTMHA_CUDA_DROPOUT=sdpa"):
+        torch.autograd.grad(out, q, grad_out, create_graph=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -207,7 +207,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
   c10::cuda::CUDAGuard guard(query.device());
   // The CUDA backward recomputes the weights; kept ones are only checked.
   check_kept_weights(weights, query, key);
-  const AttentionCall call{query, key, value, mask, dropout_p, weights_kept(grad_weights), is_causal, Pass::kBackward};
+  AttentionCall call{query, key, value, mask, dropout_p, weights_kept(grad_weights), is_causal, Pass::kBackward};
+  // With the switch on, the forward may have drawn either stream (kept weights, torch's enabled kernels and the
+  // switch decide): the backward looks which, at one wait for the GPU, and replays that one.
+  at::Tensor host_state;
+  if (dropout_p > 0 && cuda_dropout_on_sdpa()) {
+    call.drawn = dropout_draw_of(rng_state, &host_state);
+  }
   const auto choice = choose_kernel_logged(call);
   const auto kernel = choice.kernel;
   if (kernel == AttentionKernel::kStockCuda) {
@@ -215,7 +221,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
       return stock::attention_backward(grad_output, query, key, value, mask, output, logsumexp, is_causal,
                                        choice.sdpa_backend);
     }
-    const auto drawn = torch_philox_of(rng_state);
+    const auto drawn = torch_philox_of(rng_state, host_state);
     return stock::attention_backward(grad_output, query, key, value, mask, output, logsumexp, is_causal,
                                      choice.sdpa_backend, dropout_p, &drawn);
   }
