@@ -60,10 +60,11 @@ at::Tensor dropout_multipliers_cuda(c10::SymIntArrayRef sizes, double p, at::Sca
   check_multipliers_args(p, dtype, rng_state);
   // These multipliers replay fastmha's stream (a double backward rebuilds the weights from them); torch's kernel
   // draws another, which only its own backward replays.
-  TORCH_CHECK(p == 0 || !cuda_dropout_on_sdpa() || dropout_draw_of(rng_state) != DropoutDraw::kTorch,
+  TORCH_CHECK(p == 0 || !cuda_dropout_on_sdpa() || dropout_draw_of(rng_state) == DropoutDraw::kFastmha,
               "fastmha: this call's dropout was drawn by SDPA's memory-efficient kernel (FASTMHA_CUDA_DROPOUT=sdpa), "
-              "whose mask fastmha cannot rebuild for a double backward (create_graph=True) or a replay; run such calls "
-              "without FASTMHA_CUDA_DROPOUT=sdpa");
+              "whose mask fastmha cannot rebuild for a double backward (create_graph=True) or a replay, or it is "
+              "replayed inside a CUDA graph capture, where the switch cannot tell whose; run such calls without "
+              "FASTMHA_CUDA_DROPOUT=sdpa");
   return cuda_dropout_kernels().replay(C10_AS_INTARRAYREF_SLOW(sizes), p,
                                        at::TensorOptions().dtype(dtype).device(rng_state.device()), rng_state);
 }

@@ -157,6 +157,9 @@ KernelChoice choose_cuda_kernel(const AttentionCall& call) {
   TORCH_CHECK(mode == "auto" || mode == "own" || mode == "aten",
               "fastmha: FASTMHA_CUDA_KERNELS must be auto, own or aten, got '", mode, "'");
   if (call.drawn == DropoutDraw::kTorch) {  // only torch's backward replays torch's draw
+    TORCH_CHECK(!call.need_weights,
+                "fastmha: a weights gradient for a call whose dropout torch's kernel drew (FASTMHA_CUDA_DROPOUT=sdpa), "
+                "which keeps no weights");
     return {K::kStockCuda,
             "the forward's dropout was drawn by SDPA's memory-efficient kernel (FASTMHA_CUDA_DROPOUT=sdpa): its "
             "backward replays it",

@@ -408,6 +408,7 @@ def test_torch_draw_is_replayed_where_its_kernel_is_disabled_and_refused_to_doub
     q, k, _ = inputs(2, 2, 100, lk, 128, 128, dtype)
     v = identity_first_values(2, 2, lk, 128, dtype)
     q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
+    assert fastmha.explain(q, k, v, None, p, False).startswith("forward torch-cuda-sdpa")
     out, _ = attention(q, k, v, None, p)  # torch's draw
     keep = out.detach()[..., :lk] != 0
     grad_out = torch.randn_like(out)

@@ -213,6 +213,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
   at::Tensor host_state;
   if (dropout_p > 0 && cuda_dropout_on_sdpa()) {
     call.drawn = dropout_draw_of(rng_state, &host_state);
+    TORCH_CHECK(call.drawn != DropoutDraw::kUnknown,
+                "fastmha: with FASTMHA_CUDA_DROPOUT=sdpa a backward with dropout looks on the host which stream its "
+                "forward drew, which a CUDA graph capture forbids; capture such backwards without the switch");
   }
   const auto choice = choose_kernel_logged(call);
   const auto kernel = choice.kernel;

@@ -35,6 +35,8 @@ stock::TorchPhilox torch_philox_of(const at::Tensor& rng_state, const at::Tensor
 }
 
 DropoutDraw dropout_draw_of(const at::Tensor& rng_state, at::Tensor* host_state) {
+  TORCH_CHECK(rng_state.numel() == 2, "fastmha: rng_state must hold 2 int64 values (seed, offset), got ",
+              rng_state.sizes());
   if (at::cuda::currentStreamCaptureStatus() != at::cuda::CaptureStatus::None) {
     return DropoutDraw::kUnknown;
   }
