@@ -145,15 +145,14 @@ bool all_finite(const at::Tensor& t) {
 // torch's kernel adds the mask as a -inf bias, which a NaN or infinite score at a hidden key turns into NaN, where
 // the contract replaces that score with -1e9. A masked call whose result from torch's kernel holds a NaN (rare:
 // non-finite inputs) runs again on fastmha's kernel, which gives the contract's result. The forward looks at the
-// log-sum-exp (NaN in such a row; Lq values a head), the backward at each gradient's sum (NaN if any element is:
-// one read, no buffer); a sum that overflows only costs a rerun with the same result.
-bool stock_result_needs_own(const std::optional<at::Tensor>& mask, std::initializer_list<at::Tensor> results,
-                            bool summed) {
+// log-sum-exp (NaN in such a row; Lq values a head), the backward at the gradients, each through its sum (NaN if
+// any element is: one read, no buffer); a sum that overflows only costs a rerun with the same result.
+bool stock_result_needs_own(const std::optional<at::Tensor>& mask, std::initializer_list<at::Tensor> results) {
   if (!mask.has_value()) {
     return false;
   }
   for (const auto& t : results) {
-    if (summed ? std::isnan(t.sum().item<double>()) : t.isnan().any().item<bool>()) {
+    if (std::isnan(t.sum().item<double>())) {
       return true;
     }
   }
@@ -168,7 +167,7 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
   const auto choice = choose_kernel_logged(call);
   if (choice.kernel == AttentionKernel::kStockCpu) {
     auto result = stock::attention_forward(query, key, value, mask, is_causal, std::nullopt);
-    if (!stock_result_needs_own(mask, {std::get<2>(result)}, /*summed=*/false)) {
+    if (!stock_result_needs_own(mask, {std::get<2>(result)})) {
       return result;
     }
   }
@@ -237,8 +236,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
   if (choice.kernel == AttentionKernel::kStockCpu) {
     auto grads =
         stock::attention_backward(grad_output, query, key, value, mask, output, logsumexp, is_causal, std::nullopt);
-    if (!stock_result_needs_own(mask, {std::get<0>(grads), std::get<1>(grads), std::get<2>(grads)},
-                                /*summed=*/true)) {
+    if (!stock_result_needs_own(mask, {std::get<0>(grads), std::get<1>(grads), std::get<2>(grads)})) {
       return grads;
     }
   }

@@ -82,12 +82,12 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
   const auto choice = choose_kernel_logged(call);
   const auto kernel = choice.kernel;
   if (kernel == AttentionKernel::kStockCuda) {
-    if (dropout_p == 0) {
-      return stock::attention_forward(query, key, value, mask, is_causal, choice.sdpa_backend);
-    }
     stock::TorchPhilox drawn;
-    auto result = stock::attention_forward(query, key, value, mask, is_causal, choice.sdpa_backend, dropout_p, &drawn);
-    std::get<3>(result) = rng_state_of(drawn, query.device());
+    auto result = stock::attention_forward(query, key, value, mask, is_causal, choice.sdpa_backend, dropout_p,
+                                           dropout_p > 0 ? &drawn : nullptr);
+    if (dropout_p > 0) {
+      std::get<3>(result) = rng_state_of(drawn, query.device());
+    }
     return result;
   }
   if (kernel == AttentionKernel::kAten) {
@@ -220,13 +220,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
   const auto choice = choose_kernel_logged(call);
   const auto kernel = choice.kernel;
   if (kernel == AttentionKernel::kStockCuda) {
-    if (dropout_p == 0) {
-      return stock::attention_backward(grad_output, query, key, value, mask, output, logsumexp, is_causal,
-                                       choice.sdpa_backend);
-    }
-    const auto drawn = torch_philox_of(rng_state, host_state);
+    const auto drawn = dropout_p > 0 ? torch_philox_of(rng_state, host_state) : stock::TorchPhilox{};
     return stock::attention_backward(grad_output, query, key, value, mask, output, logsumexp, is_causal,
-                                     choice.sdpa_backend, dropout_p, &drawn);
+                                     choice.sdpa_backend, dropout_p, dropout_p > 0 ? &drawn : nullptr);
   }
   if (kernel == AttentionKernel::kAten) {
     check_cuda_dropout_runs(query, dropout_p);

@@ -8,6 +8,19 @@ namespace {
 
 constexpr int64_t kTorchDrawTag = 1;  // in the offset: see the header
 
+bool capturing() { return at::cuda::currentStreamCaptureStatus() != at::cuda::CaptureStatus::None; }
+
+// torch's backward reads the draw through int64 pointers; the tag is read from any integer type, as fastmha's own
+// backward takes one.
+void check_rng_state(const at::Tensor& rng_state, bool int64_only) {
+  TORCH_CHECK(rng_state.numel() == 2 && (!int64_only || rng_state.scalar_type() == at::kLong),
+              "fastmha: rng_state must hold 2 int64 values (seed, offset), got ", rng_state.sizes(), " ",
+              rng_state.scalar_type());
+}
+
+// (seed, offset) on the host: waits for the work queued before it on the stream.
+at::Tensor on_host(const at::Tensor& rng_state) { return rng_state.to(at::kCPU, at::kLong).contiguous().reshape({-1}); }
+
 }  // namespace
 
 at::Tensor rng_state_of(const stock::TorchPhilox& drawn, const at::Device& device) {
@@ -22,25 +35,22 @@ at::Tensor rng_state_of(const stock::TorchPhilox& drawn, const at::Device& devic
 }
 
 stock::TorchPhilox torch_philox_of(const at::Tensor& rng_state, const at::Tensor& host_state) {
-  TORCH_CHECK(rng_state.numel() == 2 && rng_state.scalar_type() == at::kLong,
-              "fastmha: rng_state must hold 2 int64 values (seed, offset), got ", rng_state.sizes(), " ",
-              rng_state.scalar_type());
-  if (at::cuda::currentStreamCaptureStatus() != at::cuda::CaptureStatus::None) {
+  check_rng_state(rng_state, /*int64_only=*/true);
+  if (capturing()) {
     TORCH_CHECK(rng_state.is_cuda(), "fastmha: a captured backward needs its rng_state on the GPU");
-    const auto state = rng_state.contiguous();
+    const auto state = rng_state.contiguous().reshape({-1});
     return {state.select(0, 0), state.select(0, 1).bitwise_and(~kTorchDrawTag)};
   }
-  const auto host = host_state.defined() ? host_state : rng_state.to(at::kCPU).contiguous();
+  const auto host = host_state.defined() ? host_state : on_host(rng_state);
   return {host.select(0, 0), host.select(0, 1).bitwise_and(~kTorchDrawTag)};
 }
 
 DropoutDraw dropout_draw_of(const at::Tensor& rng_state, at::Tensor* host_state) {
-  TORCH_CHECK(rng_state.numel() == 2, "fastmha: rng_state must hold 2 int64 values (seed, offset), got ",
-              rng_state.sizes());
-  if (at::cuda::currentStreamCaptureStatus() != at::cuda::CaptureStatus::None) {
+  check_rng_state(rng_state, /*int64_only=*/false);
+  if (capturing()) {
     return DropoutDraw::kUnknown;
   }
-  const auto host = rng_state.to(at::kCPU, at::kLong).contiguous().reshape({-1});
+  const auto host = on_host(rng_state);
   if (host_state != nullptr) {
     *host_state = host;
   }
