@@ -8,8 +8,9 @@
 #
 # The whole check keeps within BUDGET_S seconds (default 480): each phase runs under its own limit or what is
 # left of the budget, whichever is less, and a phase with under 15 s left is skipped (and counts as failed). The
-# phases run most telling first: build, tests, memcheck, the core benchmark, racecheck, synccheck, the block
-# benchmark. LIMIT_test_cuda_kernels=120 (a phase's name, dashes as underscores) sets one phase's limit.
+# phases run most telling first: build, tests, memcheck, the core benchmark, the layer's profile, racecheck,
+# synccheck, the block benchmark. LIMIT_test_cuda_kernels=120 (a phase's name, dashes as underscores) sets one
+# phase's limit.
 #
 # A hang costs one phase, not the whole check, and the next phase runs even when one fails; the exit status is
 # non-zero if any failed. Without a GPU everything still runs (CUDA tests skip, the sanitizer and the
@@ -146,6 +147,11 @@ bench_core() {
   fi
 }
 
+profile_layer() {
+  # Where the default's forward + backward loses time against SDPA's: the host's issue against the GPU's kernels.
+  has_gpu && phase profile-layer 60 "$PY" benchmarks/profile_cuda_layer.py --out "$OUT/bench"
+}
+
 bench_block() {
   # The whole block against the oracle block and nn.MultiheadAttention (the CPU benchmark's harness).
   has_gpu && phase bench-block 90 "$PY" benchmarks/bench.py --device cuda --dtypes bfloat16 --lengths 1024,4096 \
@@ -156,6 +162,7 @@ wants build && build
 wants test && tests
 wants sanitize && sanitize memcheck 90
 wants bench && bench_core
+wants bench && profile_layer
 wants sanitize && sanitize racecheck 150
 wants sanitize && sanitize synccheck 45
 wants bench && bench_block

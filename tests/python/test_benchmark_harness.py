@@ -25,6 +25,22 @@ def test_bench_cuda_smoke_writes_every_result_file(tmp_path):
     assert all(r["ms_fastmha"] > 0 and r["ms_oracle"] > 0 for r in rows)
 
 
+def test_profile_cuda_layer_smoke_times_and_profiles_every_peer(tmp_path):
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_cuda_layer.py"), "--smoke", "--device", "cpu",
+                    "--out", str(tmp_path)], check=True, capture_output=True, timeout=300)
+    (result,) = tmp_path.glob("profile-cpu-*-smoke.json")
+    rows = json.loads(result.read_text())["rows"]
+    # The masked case adds the default under FASTMHA_CUDA_MASKED=sdpa.
+    expected = {(c, p) for c in ("none", "causal", "padding") for p in ("fastmha", "sdpa")}
+    assert {(r["case"], r["peer"]) for r in rows} == expected | {("padding", "fastmha_sdpa")}
+    assert all("error" not in r and r["step_ms"] > 0 and r["stream_ms"] > 0 and r["host_ms"] > 0 for r in rows)
+    # The host's ops include the op that ran (fastmha's, or torch's for SDPA).
+    for r in rows:
+        ops = {name for name, _, _ in r["host_ops"]}
+        assert any(name.startswith("fastmha::" if r["peer"] != "sdpa" else "aten::") for name in ops), ops
+    assert "| host op | self us per step |" in result.with_suffix(".md").read_text()
+
+
 def test_bench_quick_run_times_every_peer_and_writes_every_result_file(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--quick", "--out", str(tmp_path)],
                    check=True, capture_output=True, timeout=300)
