@@ -4,6 +4,8 @@ choice (csrc/ops/kernel_choice.cpp).
 For each dtype, length and pass (forward under no_grad; forward + backward), one round runs, interleaved:
   own    torch.ops.fastmha.attention with FASTMHA_CPU_KERNELS=own   (fastmha's fused kernels; half types widened
          to fp32, FASTMHA_CPU_HALF_GEMM=widen)
+  blas   the same with FASTMHA_CPU_FLOAT_GEMM=blas as well         (float32 only: the forward's P V on the BLAS's
+         sgemm, where own runs it as the default does: on oneDNN's brgemm on AMD processors with AVX-512)
   native the same with FASTMHA_CPU_HALF_GEMM=native as well        (half types only: the products of forward and
          backward in the half type on the CPU's own instructions where it has them; the same as own elsewhere)
   stock  the same op with FASTMHA_CPU_KERNELS=stock                 (torch's CPU flash kernel behind the layer)
@@ -55,7 +57,7 @@ from fastmha.info import cpu_lines
 
 from bench_common import results_file
 
-KERNELS = ["own", "native", "stock", "auto", "sdpa"]
+KERNELS = ["own", "blas", "native", "stock", "auto", "sdpa"]
 HALF_TYPES = (torch.bfloat16, torch.float16)
 SIZES = [(16, 128), (4, 512), (2, 1024), (1, 4096)]  # (batch, length): about the same work each
 QUICK_SIZES = [(2, 64)]
@@ -89,8 +91,12 @@ def run_once(kernel, q, k, v, mask, backward, need_weights, causal, buffers=None
         torch.matmul(scores, v, out=out)
         return time.perf_counter() - start
     if kernel != "sdpa":
-        os.environ["FASTMHA_CPU_KERNELS"] = "own" if kernel == "native" else kernel
-        if kernel in ("own", "native"):
+        os.environ["FASTMHA_CPU_KERNELS"] = "own" if kernel in ("native", "blas") else kernel
+        if kernel == "blas":
+            os.environ["FASTMHA_CPU_FLOAT_GEMM"] = "blas"
+        else:
+            os.environ.pop("FASTMHA_CPU_FLOAT_GEMM", None)
+        if kernel in ("own", "native", "blas"):
             os.environ["FASTMHA_CPU_HALF_GEMM"] = "native" if kernel == "native" else "widen"
         else:  # the default products, as users get them
             os.environ.pop("FASTMHA_CPU_HALF_GEMM", None)
@@ -134,7 +140,8 @@ def measure(dtype, batch, length, head_dim, mask_kind, backward, repeats, need_w
     q, k, v = (torch.randn(batch, 8, n, head_dim, dtype=dtype, requires_grad=backward)
                for n in (query_length or length, length, length))
     mask, causal = make_mask(mask_kind, batch, length), mask_kind == "is_causal"
-    kernels = [kernel for kernel in KERNELS if kernel != "native" or dtype in HALF_TYPES]
+    kernels = [kernel for kernel in KERNELS
+               if (kernel != "native" or dtype in HALF_TYPES) and (kernel != "blas" or dtype == torch.float32)]
     buffers = None
     if gemm and not backward:
         kernels.append("gemm")
@@ -147,6 +154,7 @@ def measure(dtype, batch, length, head_dim, mask_kind, backward, repeats, need_w
             times[kernel].append(run_once(kernel, q, k, v, mask, backward, need_weights, causal, buffers))
     os.environ.pop("FASTMHA_CPU_KERNELS", None)
     os.environ.pop("FASTMHA_CPU_HALF_GEMM", None)
+    os.environ.pop("FASTMHA_CPU_FLOAT_GEMM", None)
     choice = fastmha.explain(q, k, v, mask, need_weights=need_weights, is_causal=causal).splitlines()
     medians = {kernel: statistics.median(t) for kernel, t in times.items()}
     gemm_ms = medians.pop("gemm", None)
@@ -170,12 +178,14 @@ def measure(dtype, batch, length, head_dim, mask_kind, backward, repeats, need_w
 def half_products_lines():
     """Whether this CPU multiplies each half type natively (what the native column measures)."""
     lines = []
+    os.environ["FASTMHA_CPU_FLOAT_GEMM"] = "blas"  # no note of the widened products' float32 GEMM after the half one
     for dtype in HALF_TYPES:
         os.environ["FASTMHA_CPU_HALF_GEMM"] = "native"
         q = torch.randn(1, 1, 4, 8, dtype=dtype)
         note = fastmha.explain(q, q, q).splitlines()[0].split("; ")[-1]
         lines.append(f"native column, {str(dtype).replace('torch.', '')}: {note}")
     os.environ.pop("FASTMHA_CPU_HALF_GEMM", None)
+    os.environ.pop("FASTMHA_CPU_FLOAT_GEMM", None)
     return lines
 
 
@@ -241,11 +251,12 @@ def main():
                  f"(B, 8, L, {args.head_dim}), queries (B, 8, {args.query_length or 'L'}, {args.head_dim}), "
                  f"dropout 0, need_weights={args.need_weights} for fastmha's calls, "
                  "masks as in the script's docstring (SDPA gets the same mask); medians of "
-                 f"{repeats}; ratio = SDPA time / kernel time (> 1: faster than SDPA); native: half types only."
+                 f"{repeats}; ratio = SDPA time / kernel time (> 1: faster than SDPA); blas: float32 only; "
+                 "native: half types only."
                  + (" gemm: the forward's products alone (see the script's docstring)." if args.gemm else ""), "",
-                 "| mask | dtype | B | L | pass | own ms | native ms | stock ms | auto ms | SDPA ms | SDPA/own "
-                 "| SDPA/native | SDPA/stock | SDPA/auto | auto runs |" + gemm_head,
-                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * (4 if args.gemm else 0)]
+                 "| mask | dtype | B | L | pass | own ms | blas ms | native ms | stock ms | auto ms | SDPA ms "
+                 "| SDPA/own | SDPA/blas | SDPA/native | SDPA/stock | SDPA/auto | auto runs |" + gemm_head,
+                 "|---" * 17 + "|" + "---|" * (4 if args.gemm else 0)]
         for r in rows:
             ms, over = r["ms"], r["sdpa_over"]
             efficiency = ""
@@ -253,8 +264,9 @@ def main():
                 efficiency = (f" {r['gemm_ms']} | {r['auto_over_gemm']} | {r['auto_gflops']} | "
                               f"{r['auto_share_of_mm_rate']} |" if r["gemm_ms"] is not None else " - | - | - | - |")
             lines.append(f"| {r['mask']} | {r['dtype']} | {r['batch']} | {r['length']} | {r['pass']} | "
-                         f"{ms['own']} | {ms.get('native', '-')} | {ms['stock']} | {ms['auto']} | {ms['sdpa']} | "
-                         f"{over['own']} | {over.get('native', '-')} | {over['stock']} | {over['auto']} | "
+                         f"{ms['own']} | {ms.get('blas', '-')} | {ms.get('native', '-')} | {ms['stock']} | "
+                         f"{ms['auto']} | {ms['sdpa']} | {over['own']} | {over.get('blas', '-')} | "
+                         f"{over.get('native', '-')} | {over['stock']} | {over['auto']} | "
                          f"{', '.join(r['auto_runs'])} |" + efficiency)
         results_file(args.out, ".md").write_text("\n".join(lines) + "\n")
     return 0

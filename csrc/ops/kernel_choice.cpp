@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "ops/cpu/cpu_capability.h"
+#include "ops/cpu/float_gemm.h"
 #include "ops/cpu/half_gemm.h"
 #include "ops/cpu/key_span.h"
 #include "ops/cuda/flash/kernel_common.h"
@@ -57,8 +58,13 @@ class ComputedKeyShare {
 // The most keys at which a float32 or float64 forward takes fastmha's kernel without a mask that pays for it: from
 // 1024 keys the two kernels are about even, and torch's stays the default there.
 constexpr int64_t kOwnForwardUpToKeys = 512;
+// The fewest query rows per head at which a longer float32 forward with its P V on brgemm takes fastmha's kernel:
+// measured from 1024 (as many queries as keys). Fewer rows (decoding steps, short query blocks) make a new product
+// shape at every length, which past the shapes a thread keeps on brgemm multiply on the BLAS again.
+constexpr int64_t kOwnForwardOnBrgemmFromQueries = 1024;
 
-KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share) {
+// float_on_brgemm: a float32 forward would run its P V on oneDNN's brgemm (cpu/float_gemm.h).
+KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share, bool float_on_brgemm) {
   const auto mode = switch_value("FASTMHA_CPU_KERNELS");
   TORCH_CHECK(mode == "auto" || mode == "own" || mode == "stock",
               "fastmha: FASTMHA_CPU_KERNELS must be auto, own or stock, got '", mode, "'");
@@ -139,6 +145,15 @@ KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share) 
       // float32 0.89x at 128 keys and 0.96x at 512.
       return {K::kOwnCpu, "forward over at most " + std::to_string(kOwnForwardUpToKeys) +
                               " keys: fastmha's kernel is as fast as torch's or faster there"};
+    }
+    if (float_on_brgemm && call.query.size(2) >= kOwnForwardOnBrgemmFromQueries) {
+      // Measured on Zen 4 without a mask: fastmha's float32 forward with its P V on brgemm took 0.87-0.90x the time
+      // of torch's (behind the layer) at 1024-8192 keys with d_k 64, 0.94x at 1024-4096 with d_k 128; with P V on
+      // the BLAS, in the same rounds, 0.93-1.01x and 1.00-1.04x.
+      return {K::kOwnCpu, "float32 forward with its P V on oneDNN's brgemm over " +
+                              std::to_string(kOwnForwardOnBrgemmFromQueries) +
+                              " query rows or more: fastmha's kernel is faster than torch's beyond " +
+                              std::to_string(kOwnForwardUpToKeys) + " keys too"};
     }
     return {K::kStockCpu, "forward without kept weights or dropout: torch's CPU flash kernel is as fast or faster"};
   }
@@ -311,9 +326,11 @@ KernelChoice choose_kernel(const AttentionCall& call) {
   if (call.query.is_cpu()) {
     // Checked at every CPU call, as FASTMHA_CPU_KERNELS is: a misspelt value fails in any dtype.
     const auto half_mode = cpu::half_gemm_mode();
+    const auto float_mode = cpu::float_gemm_mode();
     ComputedKeyShare key_share(call);
-    auto choice = choose_cpu(call, key_share);
     const auto dtype = call.query.scalar_type();
+    const bool float_on_brgemm = dtype == at::kFloat && cpu::choose_float_products(float_mode).on_brgemm;
+    auto choice = choose_cpu(call, key_share, float_on_brgemm);
     if (choice.kernel == AttentionKernel::kOwnCpu && (dtype == at::kBFloat16 || dtype == at::kHalf)) {
       // Only `auto` on a CPU with native products, with enough query rows, reads the mask's sample for the keys.
       const int64_t len_k = call.key.size(2);
@@ -324,6 +341,14 @@ KernelChoice choose_kernel(const AttentionCall& call) {
       choice.half_products = products.in_half_type;
       choice.half_products_vnni = products.vnni;
       choice.reason += "; " + products.note;
+    }
+    if (choice.kernel == AttentionKernel::kOwnCpu && call.pass == Pass::kForward && dtype != at::kDouble &&
+        !choice.half_products) {
+      const auto products = cpu::choose_float_products(float_mode);
+      choice.float_brgemm = products.on_brgemm;
+      if (!products.note.empty()) {
+        choice.reason += "; " + products.note;
+      }
     }
     return choice;
   }

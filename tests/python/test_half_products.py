@@ -225,6 +225,7 @@ def test_auto_multiplies_natively_from_256_rows_and_keys_a_row_computes(monkeypa
 def test_float_types_have_no_products_note(monkeypatch):
     monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
     monkeypatch.setenv("FASTMHA_CPU_HALF_GEMM", "reference")
+    monkeypatch.setenv("FASTMHA_CPU_FLOAT_GEMM", "blas")  # its own note (test_float_products.py)
     assert products_note(torch.float32) == "forward fastmha-cpu: the weights are kept: only fastmha's kernel returns " \
                                            "them from a fused pass"
 

@@ -16,6 +16,12 @@ from torch.autograd import gradcheck
 import fastmha
 
 
+@pytest.fixture(autouse=True)
+def products_on_the_blas(monkeypatch):
+    """The choice of kernel, not of the float32 GEMM under it (test_float_products.py): no products note."""
+    monkeypatch.setenv("FASTMHA_CPU_FLOAT_GEMM", "blas")
+
+
 def qkv(b=2, h=3, lq=9, lk=11, d=8, dtype=torch.float64, dv=None, requires_grad=False):
     shapes = [(b, h, lq, d), (b, h, lk, d), (b, h, lk, dv or d)]
     return [torch.randn(s, dtype=dtype, requires_grad=requires_grad) for s in shapes]

@@ -215,6 +215,7 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
       in.half_source = half_inputs.view(false);
       in.widen_in_tasks = true;
     }
+    in.float_brgemm = choice.float_brgemm;
     FASTMHA_CPU_DISPATCH(attention_forward, in, out);
   });
   return {output.to(dtype), weights.to(dtype), logsumexp, rng_state};

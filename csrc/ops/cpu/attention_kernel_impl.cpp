@@ -33,6 +33,7 @@
 
 #include "ops/cpu/attention_params.h"
 #include "ops/cpu/blas.h"
+#include "ops/cpu/float_gemm.h"
 #include "ops/cpu/key_span.h"
 #include "ops/cpu/philox_batch.h"
 #include "ops/cpu/task_queue.h"
@@ -253,6 +254,12 @@ template <typename T>
 void apply_values(const AttentionInputs<T>& in, const Head<T>& head, const T* p, int64_t ld, int64_t rows, int64_t lo,
                   int64_t n, T* out_rows, int64_t out_ld, bool add) {
   if (head.half_v == nullptr) {
+    if constexpr (std::is_same_v<T, float>) {
+      if (in.float_brgemm && brgemm_if_admitted(rows, in.d_v, n, p, ld, head.v + lo * in.v_stride.row, in.v_stride.row,
+                                                out_rows, out_ld, add)) {
+        return;
+      }
+    }
     gemm<T>(false, false, rows, in.d_v, n, T(1), p, ld, head.v + lo * in.v_stride.row, in.v_stride.row,
             add ? T(1) : T(0), out_rows, out_ld);
     return;

@@ -56,6 +56,7 @@ struct AttentionInputs {
   // in a forward whose products run in the half type (half). T = float only.
   HalfOperands half_source;
   bool widen_in_tasks = false;  // whether the tasks widen half_source (its pointers are nullptr where it is empty)
+  bool float_brgemm = false;    // T = float only: the forward's P V on oneDNN's brgemm (float_gemm.h)
 };
 
 template <typename T>

@@ -1,0 +1,202 @@
+"""The CPU forward's float32 P V on oneDNN's brgemm (FASTMHA_CPU_FLOAT_GEMM): the same results as on the BLAS and
+as the oracle, for every block shape the forward meets, and the switch's choice as fastmha.explain reports it."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_close
+from layouts import RELAYOUTS, relaid
+from oracle import oracle_attention
+
+import fastmha
+
+ON_BRGEMM = "the forward's P V on oneDNN's brgemm"
+
+
+def forward_note(q, k, v, mask=None, need_weights=False, is_causal=False):
+    line = fastmha.explain(q, k, v, mask, 0.0, need_weights, is_causal).splitlines()[0]
+    assert line.startswith("forward fastmha-cpu"), line
+    return line
+
+
+def brgemm_runs_here():
+    """Whether FASTMHA_CPU_FLOAT_GEMM=brgemm puts the products on brgemm on this machine: x86-64 with AVX2, oneDNN
+    in torch."""
+    return "avx2" in cpu_flags() and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+
+
+def cpu_flags():
+    with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+        text = cpuinfo.read()
+    return set(next(line for line in text.splitlines() if line.startswith("flags")).split(":", 1)[1].split())
+
+
+def amd_with_avx512():
+    """An AMD processor on which fastmha runs its AVX-512 kernels (ATEN_CPU_CAPABILITY may ask for fewer)."""
+    with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+        amd = "AuthenticAMD" in cpuinfo.read()
+    return amd and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags() and \
+        fastmha._C.cpu_capability() == "avx512"
+
+
+@pytest.fixture(params=["blas", "brgemm"])
+def float_gemm(request, monkeypatch):
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")  # the forward's products are fastmha's kernel's
+    monkeypatch.setenv("FASTMHA_CPU_FLOAT_GEMM", request.param)
+    return request.param
+
+
+def visible(b, lq, lk, kept):
+    """A (B, 1, Lq, Lk) mask: each batch keeps its first kept[i] keys, with a hole of hidden keys in the middle."""
+    mask = torch.zeros(b, 1, lq, lk, dtype=torch.bool)
+    for i, n in enumerate(kept):
+        mask[i, ..., :n] = True
+        mask[i, ..., n // 3:n // 2] = False
+    return mask
+
+
+# Key lengths: one short block, a block of 512, and two blocks, the second shorter (the forward's key block is
+# 1024 keys at these head sizes, fewer for larger ones).
+@pytest.mark.parametrize("lk", [37, 512, 1300])
+@pytest.mark.parametrize("layout", RELAYOUTS + ["heads interleaved"])
+def test_forward_matches_the_oracle_in_every_layout(float_gemm, lk, layout):
+    torch.manual_seed(lk)
+    q = torch.randn(2, 3, 40, 24)
+    k, v = torch.randn(2, 3, lk, 24), torch.randn(2, 3, lk, 40)  # d_v != d_k
+    if layout == "heads interleaved":  # rows H * d apart, as the block's head split of a projection leaves them
+        k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
+    else:
+        k, v = relaid(k, layout), relaid(v, layout)
+    out, _ = torch.ops.fastmha.attention(q, k, v, None, 0.0, False, False)
+    want, _ = oracle_attention(q.double(), k.double(), v.double())
+    assert_close(out, want, torch.float32)
+    assert (ON_BRGEMM in forward_note(q, k, v)) == (float_gemm == "brgemm" and brgemm_runs_here())
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_masked_and_causal_forwards_match_the_oracle(float_gemm, need_weights):
+    torch.manual_seed(1)
+    b, lq, lk = 3, 70, 900
+    q, k, v = torch.randn(b, 2, lq, 32), torch.randn(b, 2, lk, 32), torch.randn(b, 2, lk, 32)
+    mask = visible(b, lq, lk, [900, 333, 41])
+    for is_causal, m in ((False, mask), (True, None), (True, mask)):
+        out, weights = torch.ops.fastmha.attention(q, k, v, m, 0.0, need_weights, is_causal)
+        tril = torch.ones(lq, lk, dtype=torch.bool).tril()
+        full = m if not is_causal else (tril if m is None else tril & m)
+        want, want_weights = oracle_attention(q.double(), k.double(), v.double(), full)
+        assert_close(out, want, torch.float32)
+        if need_weights:
+            assert_close(weights, want_weights, torch.float32)
+
+
+def test_dropout_and_widened_half_types_agree_with_the_blas(monkeypatch):
+    """The same call on both GEMMs: the same dropout mask (the same stream), the same numbers up to rounding."""
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
+    torch.manual_seed(2)
+    q, k, v = torch.randn(2, 2, 64, 32), torch.randn(2, 2, 700, 32), torch.randn(2, 2, 700, 32)
+    for dtype, p in ((torch.float32, 0.3), (torch.bfloat16, 0.0), (torch.float16, 0.2)):
+        results = {}
+        for mode in ("blas", "brgemm"):
+            monkeypatch.setenv("FASTMHA_CPU_FLOAT_GEMM", mode)
+            torch.manual_seed(7)
+            results[mode] = torch.ops.fastmha.attention(q.to(dtype), k.to(dtype), v.to(dtype), None, p, True, False)
+        out, weights = results["brgemm"]
+        assert torch.equal(weights, results["blas"][1])  # the weights come before the product
+        assert_close(out, results["blas"][0], dtype)
+
+
+def test_more_shapes_than_the_process_keeps_on_brgemm_stay_right(monkeypatch):
+    """Past the shapes the process runs on brgemm (float_gemm.h), the rest run on the BLAS, still right."""
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
+    monkeypatch.setenv("FASTMHA_CPU_FLOAT_GEMM", "brgemm")
+    torch.manual_seed(3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for lk in range(100, 100 + 45):  # a new product shape per key length
+            q, k, v = torch.randn(1, 1, 5, 16), torch.randn(1, 1, lk, 16), torch.randn(1, 1, lk, 16)
+            out, _ = torch.ops.fastmha.attention(q, k, v, None, 0.0, False, False)
+            assert_close(out, oracle_attention(q.double(), k.double(), v.double())[0], torch.float32)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_auto_takes_brgemm_on_amd_processors_with_avx512_only(monkeypatch):
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
+    monkeypatch.delenv("FASTMHA_CPU_FLOAT_GEMM", raising=False)
+    q = torch.randn(1, 2, 16, 8)
+    expected = amd_with_avx512() and brgemm_runs_here()
+    assert (ON_BRGEMM in forward_note(q, q, q)) == expected
+    # float64 multiplies on the BLAS's dgemm, and the backward on the BLAS, whatever the switch says.
+    monkeypatch.setenv("FASTMHA_CPU_FLOAT_GEMM", "brgemm")
+    assert ON_BRGEMM not in forward_note(q.double(), q.double(), q.double())
+    assert ON_BRGEMM not in fastmha.explain(q, q, q, None, 0.0, False, False).splitlines()[1]
+
+
+def test_brgemm_without_onednn_says_so_and_runs_on_the_blas(monkeypatch):
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
+    monkeypatch.setenv("FASTMHA_CPU_FLOAT_GEMM", "brgemm")
+    q, k, v = torch.randn(1, 2, 16, 8), torch.randn(1, 2, 300, 8), torch.randn(1, 2, 300, 8)
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert "oneDNN's brgemm does not run here (FASTMHA_CPU_FLOAT_GEMM=brgemm)" in forward_note(q, k, v)
+        out, _ = torch.ops.fastmha.attention(q, k, v, None, 0.0, False, False)
+    assert_close(out, oracle_attention(q.double(), k.double(), v.double())[0], torch.float32)
+
+
+def test_a_bad_switch_value_is_refused_in_any_dtype(monkeypatch):
+    monkeypatch.setenv("FASTMHA_CPU_FLOAT_GEMM", "mkl")
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        q = torch.randn(1, 1, 4, 8, dtype=dtype)
+        with pytest.raises(RuntimeError, match="FASTMHA_CPU_FLOAT_GEMM must be auto, blas or brgemm, got 'mkl'"):
+            torch.ops.fastmha.attention(q, q, q, None, 0.0, False, False)
+
+
+def test_float32_forward_on_brgemm_runs_fastmhas_kernel_beyond_512_keys_from_1024_queries(monkeypatch):
+    """Without a mask the default runs torch's forward beyond 512 keys, unless the P V would run on brgemm and a
+    head has 1024 query rows or more (as measured; fewer rows make a new product shape at every length)."""
+    monkeypatch.delenv("FASTMHA_CPU_KERNELS", raising=False)
+    k = torch.randn(1, 2, 513, 16)
+    for mode, dtype, rows in (("brgemm", torch.float32, 1024), ("brgemm", torch.float32, 1023),
+                              ("blas", torch.float32, 1024), ("brgemm", torch.float64, 1024)):
+        monkeypatch.setenv("FASTMHA_CPU_FLOAT_GEMM", mode)
+        q = torch.randn(1, 2, rows, 16, dtype=dtype)
+        line = fastmha.explain(q, k.to(dtype), k.to(dtype), None, 0.0, False, False).splitlines()[0]
+        on_brgemm = mode == "brgemm" and dtype == torch.float32 and rows >= 1024 and brgemm_runs_here()
+        assert line.startswith("forward fastmha-cpu" if on_brgemm else "forward torch-cpu-flash"), line
+        assert ("faster than torch's beyond 512 keys too" in line) == on_brgemm, line
+
+
+FRESH_PROCESS = """
+import torch
+from conftest import assert_close
+from oracle import oracle_attention
+
+torch.manual_seed(0)
+q = torch.randn(2, 3, 70, 24)
+# Values and keys in the head split of a projection (rows H * d apart), two key blocks, the second shorter.
+k, v = (torch.randn(2, 1300, 3, d).transpose(1, 2) for d in (24, 40))
+mask = torch.ones(2, 1, 70, 1300, dtype=torch.bool)
+mask[1, ..., 400:700] = False
+for m, need_weights in ((None, False), (mask, True)):
+    out, weights = torch.ops.fastmha.attention(q, k, v, m, 0.0, need_weights, False)
+    want, want_weights = oracle_attention(q.double(), k.double(), v.double(), m)
+    assert_close(out, want, torch.float32)
+    if need_weights:
+        assert_close(weights, want_weights, torch.float32)
+print("checked")
+"""
+
+
+def test_a_fresh_process_runs_its_products_on_brgemm_and_right():
+    """In this process the shapes that earlier tests ran on brgemm may have taken every place there; a fresh
+    process meets these few shapes first, so where brgemm runs, it runs them all."""
+    if not brgemm_runs_here():
+        pytest.skip("oneDNN's float32 brgemm does not run here")
+    env = {**os.environ, "FASTMHA_CPU_KERNELS": "own", "FASTMHA_CPU_FLOAT_GEMM": "brgemm"}
+    run = subprocess.run([sys.executable, "-c", "import fastmha\n" + FRESH_PROCESS], cwd=Path(__file__).parent,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "checked", run.stderr
