@@ -60,7 +60,8 @@ class ComputedKeyShare {
 constexpr int64_t kOwnForwardUpToKeys = 512;
 // The fewest query rows per head at which a longer float32 forward with its P V on brgemm takes fastmha's kernel:
 // measured from 1024 (as many queries as keys). Fewer rows (decoding steps, short query blocks) make a new product
-// shape at every length, which past the shapes a thread keeps on brgemm multiply on the BLAS again.
+// shape at every length, which past the shapes the process runs on brgemm (cpu/float_gemm.h) multiply on the BLAS
+// again; so do other calls whose lengths keep changing, at their last key block.
 constexpr int64_t kOwnForwardOnBrgemmFromQueries = 1024;
 
 // float_on_brgemm: a float32 forward would run its P V on oneDNN's brgemm (cpu/float_gemm.h).

@@ -102,7 +102,8 @@ def test_dropout_draws_the_same_mask_when_keys_are_skipped():
 
 
 def test_padded_batches_choose_the_kernel_that_skips(monkeypatch):
-    # The rule for a float32 forward whose P V is on the BLAS (on brgemm fastmha's kernel runs at any length).
+    # The rule for a float32 forward whose P V is on the BLAS (on brgemm fastmha's kernel runs beyond 512 keys too,
+    # from 1024 query rows).
     monkeypatch.setenv("FASTMHA_CPU_FLOAT_GEMM", "blas")
     lk = 600  # without a mask that pays for skipping, torch's forward runs from 513 keys on
     q, k, v = torch.randn(2, 2, 64, 8), torch.randn(2, 2, lk, 8), torch.randn(2, 2, lk, 8)

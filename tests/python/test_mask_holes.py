@@ -159,7 +159,8 @@ def forward_choice(mask, lq=1024, lk=1024):
 
 
 def test_kernel_choice_counts_the_keys_inside_the_span_that_are_skipped(monkeypatch):
-    # The rule for a float32 forward whose P V is on the BLAS (on brgemm fastmha's kernel runs at any length).
+    # The rule for a float32 forward whose P V is on the BLAS (on brgemm fastmha's kernel runs beyond 512 keys too,
+    # from 1024 query rows).
     monkeypatch.setenv("FASTMHA_CPU_FLOAT_GEMM", "blas")
     # Each of these masks spans nearly all keys from a chunk's first to its last visible one, but leaves a
     # small share of them to compute: fastmha's kernel skips the rest, torch's computes all.
