@@ -7,6 +7,7 @@ int64 keeping 85-100% of the keys, where fastmha's kernel has little to skip). M
 ratio is stock time / own time (> 1: fastmha's is faster). Results are stamped with the CPU model and ISA.
 
     python benchmarks/bench_cpu_backward_kernels.py --out benchmarks/results/cpu-backward-kernels-DATE
+    python benchmarks/bench_cpu_backward_kernels.py --half --out ...   # bfloat16 and float16
     python benchmarks/bench_cpu_backward_kernels.py --quick     # a smoke run (seconds)
 """
 
@@ -24,6 +25,11 @@ LONG = ((4, 1024), (2, 2048), (1, 4096), (1, 8192))
 CASES = [("float32", "none", d, b, length) for d in (64, 128) for b, length in LONG]
 CASES += [("float64", "none", 64, b, length) for b, length in ((2, 2048), (1, 4096))]
 CASES += [("float32", "padding", 64, b, length) for b, length in ((2, 2048), (1, 4096))]
+# --half: bfloat16 and float16 over short and long keys, fastmha's products as the default takes them
+# (native on CPUs that multiply the type, widened to fp32 elsewhere or below 256 rows or keys)
+SHORT_AND_LONG = ((16, 128), (8, 256), (4, 512), (2, 1024), (1, 2048), (1, 4096))
+HALF_CASES = [(dtype, "none", d, b, length) for dtype in ("bfloat16", "float16") for d in (64, 128)
+              for b, length in SHORT_AND_LONG]
 QUICK_CASES = [("float32", "none", 64, 1, 128), ("float32", "padding", 64, 1, 128)]
 
 
@@ -61,9 +67,10 @@ def results_page(header, rows, repeats):
 
 
 def main():
-    args, repeats, header = start(__doc__, 5)
+    args, repeats, header = start(
+        __doc__, 5, lambda parser: parser.add_argument("--half", action="store_true", help="bfloat16 and float16"))
     rows = []
-    for case in QUICK_CASES if args.quick else CASES:
+    for case in QUICK_CASES if args.quick else HALF_CASES if args.half else CASES:
         row = measure(*case, repeats)
         rows.append(row)
         print(" | ".join(f"{name} {cell(row)}" for name, cell in COLUMNS.items()), flush=True)

@@ -5,7 +5,8 @@ For each dtype, length and pass (forward under no_grad; forward + backward), one
   own    torch.ops.fastmha.attention with FASTMHA_CPU_KERNELS=own   (fastmha's fused kernels; half types widened
          to fp32, FASTMHA_CPU_HALF_GEMM=widen)
   blas   the same with FASTMHA_CPU_FLOAT_GEMM=blas as well         (float32 only: the forward's P V on the BLAS's
-         sgemm, where own runs it as the default does: on oneDNN's brgemm on AMD processors with AVX-512)
+         sgemm, where own runs it as the default does: on oneDNN's brgemm on AMD processors with AVX-512;
+         --own-float-gemm blas|brgemm sets own's instead)
   native the same with FASTMHA_CPU_HALF_GEMM=native as well        (half types only: the products of forward and
          backward in the half type on the CPU's own instructions where it has them; the same as own elsewhere)
   stock  the same op with FASTMHA_CPU_KERNELS=stock                 (torch's CPU flash kernel behind the layer)
@@ -37,6 +38,7 @@ of n x n matrices in the same dtype, measured once per dtype: n 4096, 2048 for h
     python benchmarks/bench_kernel_choice.py --dtypes float32 --head-dim 128 --sizes 2x1024,1x8192 --out ...
     python benchmarks/bench_kernel_choice.py --dtypes bfloat16,float16 --need-weights --out ...  # native vs own
     python benchmarks/bench_kernel_choice.py --dtypes bfloat16 --need-weights --query-length 1 --out ...
+    python benchmarks/bench_kernel_choice.py --dtypes float32 --own-float-gemm brgemm --out ...  # brgemm vs blas
     python benchmarks/bench_kernel_choice.py --quick     # a smoke run (seconds)
 """
 
@@ -62,6 +64,7 @@ HALF_TYPES = (torch.bfloat16, torch.float16)
 SIZES = [(16, 128), (4, 512), (2, 1024), (1, 4096)]  # (batch, length): about the same work each
 QUICK_SIZES = [(2, 64)]
 PADDED_SIZES = [(8, 350), (2, 1024), (1, 4096)]  # 350: the textbook's padded sentence length
+OWN_FLOAT_GEMM = "auto"  # --own-float-gemm: how the own column multiplies float32's P V
 MASKS = ["none", "padding", "padding+causal", "causal", "is_causal", "window", "documents"]
 
 
@@ -94,6 +97,8 @@ def run_once(kernel, q, k, v, mask, backward, need_weights, causal, buffers=None
         os.environ["FASTMHA_CPU_KERNELS"] = "own" if kernel in ("native", "blas") else kernel
         if kernel == "blas":
             os.environ["FASTMHA_CPU_FLOAT_GEMM"] = "blas"
+        elif kernel == "own" and OWN_FLOAT_GEMM != "auto":
+            os.environ["FASTMHA_CPU_FLOAT_GEMM"] = OWN_FLOAT_GEMM
         else:
             os.environ.pop("FASTMHA_CPU_FLOAT_GEMM", None)
         if kernel in ("own", "native", "blas"):
@@ -200,8 +205,12 @@ def main():
     parser.add_argument("--need-weights", action="store_true", help="fastmha's calls keep the weights")
     parser.add_argument("--query-length", type=int, help="queries per head (default: the keys' length)")
     parser.add_argument("--gemm", action="store_true", help="the forward's efficiency: its products alone")
+    parser.add_argument("--own-float-gemm", choices=["auto", "blas", "brgemm"], default="auto",
+                        help="FASTMHA_CPU_FLOAT_GEMM of the own column (default: the default's choice)")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
+    global OWN_FLOAT_GEMM
+    OWN_FLOAT_GEMM = args.own_float_gemm
     chosen_sizes = [tuple(int(n) for n in size.split("x")) for size in args.sizes.split(",")] if args.sizes else None
     masks = args.masks.split(",")
     if unknown := set(masks) - set(MASKS):
@@ -211,7 +220,8 @@ def main():
     repeats = 1 if args.quick else args.repeats
     stamp = cpu_lines()
     header = [f"fastmha {fastmha.__version__} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
-              f"{datetime.date.today()}", *stamp, *half_products_lines()]
+              f"{datetime.date.today()}", *stamp, *half_products_lines(),
+              f"own column's float32 P V: FASTMHA_CPU_FLOAT_GEMM={args.own_float_gemm}"]
     peak = {}
     if args.gemm:
         for dtype_name in args.dtypes.split(","):
