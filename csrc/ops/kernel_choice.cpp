@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <sstream>
 
 #include "ops/cpu/cpu_capability.h"
@@ -58,14 +59,20 @@ class ComputedKeyShare {
 // The most keys at which a float32 or float64 forward takes fastmha's kernel without a mask that pays for it: from
 // 1024 keys the two kernels are about even, and torch's stays the default there.
 constexpr int64_t kOwnForwardUpToKeys = 512;
+// The most keys at which a backward in a half type that torch's kernels multiply on AMX tiles takes fastmha's
+// kernel: torch's backward costs several times more at short lengths, but leads from 1024 keys.
+constexpr int64_t kOwnHalfBackwardOnTilesUpToKeys = 512;
 // The fewest query rows per head at which a longer float32 forward with its P V on brgemm takes fastmha's kernel:
 // measured from 1024 (as many queries as keys). Fewer rows (decoding steps, short query blocks) make a new product
 // shape at every length, which past the shapes the process runs on brgemm (cpu/float_gemm.h) multiply on the BLAS
 // again; so do other calls whose lengths keep changing, at their last key block.
 constexpr int64_t kOwnForwardOnBrgemmFromQueries = 1024;
 
-// float_on_brgemm: a float32 forward would run its P V on oneDNN's brgemm (cpu/float_gemm.h).
-KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share, bool float_on_brgemm) {
+// float_on_brgemm: a float32 forward would run its P V on oneDNN's brgemm (cpu/float_gemm.h). half_on_native: whether
+// fastmha's kernel would multiply this half-type call on the CPU's own instructions (cpu/half_gemm.h); asked only
+// where torch's kernels multiply the type on AMX tiles.
+KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share, bool float_on_brgemm,
+                        const std::function<bool()>& half_on_native) {
   const auto mode = switch_value("FASTMHA_CPU_KERNELS");
   TORCH_CHECK(mode == "auto" || mode == "own" || mode == "stock",
               "fastmha: FASTMHA_CPU_KERNELS must be auto, own or stock, got '", mode, "'");
@@ -106,8 +113,9 @@ KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share, 
   // keys, within the machines' noise; the longer forward then stays with torch's (except in half types torch's
   // kernel multiplies without AMX tiles, and with is_causal, below). fastmha's blocked backward measured faster at
   // every length (float32 1.03-1.28x torch's at 1024-8192 keys, float64 1.24-1.28x). In half types it wins unless
-  // torch's kernels run them on AMX tiles (several times faster there); without tiles torch's half-type kernels are no
-  // faster than its float32 ones, also where the processor has AVX512-BF16 (Zen 4). A mask turns the choice around:
+  // torch's kernels run them on AMX tiles (torch's forward faster at every length there, its backward from 1024
+  // keys); without tiles torch's half-type kernels are no faster than its float32 ones, also where the processor
+  // has AVX512-BF16 (Zen 4). A mask turns the choice around:
   // fastmha's kernel computes only the runs of keys some query of a chunk sees (padding, causal or block-sparse masks),
   // torch's computes all (3.7x faster or more with 10-25% of the keys visible, float32).
   const auto dtype = call.query.scalar_type();
@@ -115,12 +123,16 @@ KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share, 
   const bool torch_on_tiles = cpu::torch_half_on_tiles(dtype);
   const double span = key_share.get();
   // The largest share of the keys at which skipping the rest pays off: fastmha's kernel against torch's as
-  // measured without a mask (about even in float32 from 1024 keys, faster below; 0.2-0.4x where torch multiplies
-  // half types on AMX tiles). Half types torch multiplies without tiles take fastmha's kernel at any share.
-  const double own_pays_below = torch_on_tiles ? 0.2 : 0.75;
+  // measured without a mask (about even in float32 from 1024 keys, faster below). Where torch multiplies half
+  // types on AMX tiles, fastmha's widened products took 2.5-5x torch's time (so 20%); its native ones (AMX too)
+  // with a padding mask on an Intel Xeon, bfloat16 at 2048-4096 keys: forward 0.93-0.94x torch's time with 55% of
+  // the keys visible, 1.13x with 70%; backward 0.72-0.75x with 70%, 0.86-0.95x with 85%. Half types torch
+  // multiplies without tiles take fastmha's kernel at any share.
+  const bool pass_forward = call.pass == Pass::kForward;
+  const double own_pays_below = !torch_on_tiles ? 0.75 : !half_on_native() ? 0.2 : pass_forward ? 0.55 : 0.75;
   const std::string skipped = "a mask that leaves " + std::to_string(static_cast<int>(span * 100 + 0.5)) +
                               "% of the keys to compute: fastmha's kernel skips the rest";
-  if (call.pass == Pass::kForward) {
+  if (pass_forward) {
     if (span <= own_pays_below) {
       return {K::kOwnCpu, skipped};
     }
@@ -158,11 +170,20 @@ KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share, 
     }
     return {K::kStockCpu, "forward without kept weights or dropout: torch's CPU flash kernel is as fast or faster"};
   }
-  if (torch_on_tiles && span > own_pays_below) {
-    return {K::kStockCpu, "backward in a half type torch's CPU flash kernel multiplies on AMX tiles"};
-  }
   if (span <= own_pays_below) {
     return {K::kOwnCpu, skipped};
+  }
+  if (torch_on_tiles) {
+    // Measured on an Intel Xeon with AMX-BF16 (bfloat16, fastmha's products native from 256 keys): fastmha's
+    // backward took 0.26-0.42x torch's time at 128 keys, 0.65-0.78x at 256 and 0.88-0.95x at 512 (d_k 64 and 128),
+    // but 1.04-1.21x at 1024-4096 keys, where torch's kernel keeps its AMX tiles busier.
+    if (call.key.size(2) > kOwnHalfBackwardOnTilesUpToKeys) {
+      return {K::kStockCpu,
+              "backward in a half type torch's CPU flash kernel multiplies on AMX tiles, over more than " +
+                  std::to_string(kOwnHalfBackwardOnTilesUpToKeys) + " keys"};
+    }
+    return {K::kOwnCpu, "backward over at most " + std::to_string(kOwnHalfBackwardOnTilesUpToKeys) +
+                            " keys: fastmha's kernel is faster than torch's there, also on AMX tiles"};
   }
   return {K::kOwnCpu, "fastmha's backward is as fast as torch's or faster"};
 }
@@ -331,14 +352,19 @@ KernelChoice choose_kernel(const AttentionCall& call) {
     ComputedKeyShare key_share(call);
     const auto dtype = call.query.scalar_type();
     const bool float_on_brgemm = dtype == at::kFloat && cpu::choose_float_products(float_mode).on_brgemm;
-    auto choice = choose_cpu(call, key_share, float_on_brgemm);
-    if (choice.kernel == AttentionKernel::kOwnCpu && (dtype == at::kBFloat16 || dtype == at::kHalf)) {
-      // Only `auto` on a CPU with native products, with enough query rows, reads the mask's sample for the keys.
+    // Only `auto` on a CPU with native products, with enough query rows, reads the mask's sample for the keys.
+    const auto half_products = [&] {
       const int64_t len_k = call.key.size(2);
-      const bool forward = call.pass == Pass::kForward;
-      const auto products = cpu::choose_half_products(dtype, half_mode, forward, call.query.size(2), [&] {
+      return cpu::choose_half_products(dtype, half_mode, call.pass == Pass::kForward, call.query.size(2), [&] {
         return static_cast<int64_t>(std::llround(static_cast<double>(len_k) * key_share.get()));
       });
+    };
+    auto choice = choose_cpu(call, key_share, float_on_brgemm, [&] {
+      const auto products = half_products();
+      return products.in_half_type && products.vnni;  // not ATen's reference GEMM
+    });
+    if (choice.kernel == AttentionKernel::kOwnCpu && (dtype == at::kBFloat16 || dtype == at::kHalf)) {
+      const auto products = half_products();
       choice.half_products = products.in_half_type;
       choice.half_products_vnni = products.vnni;
       choice.reason += "; " + products.note;

@@ -132,13 +132,44 @@ def test_float32_forward_skips_padding_up_to_three_quarters_of_the_keys_at_any_l
             assert reason.startswith(f"a mask that leaves {round(share * 100)}% of the keys")
 
 
-def test_backward_kernel_depends_on_amx_tiles_for_half_types():
-    for dtype, stock in torch_on_tiles().items():
-        q, k, v = qkv(dtype=dtype)
-        expected = "torch-cpu-flash" if stock else "fastmha-cpu"
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_type_padding_share_that_pays_depends_on_amx_tiles_and_native_products(monkeypatch, dtype):
+    # 256 query rows over 2048 keys: enough of both for native products wherever the CPU has them.
+    q, k, v = qkv(b=1, h=1, lq=256, lk=2048, dtype=dtype)
+
+    def kernels(share):
+        mask = (torch.arange(2048) < int(share * 2048)).reshape(1, 1, 1, 2048)
+        chosen = choices(q, k, v, mask, need_weights=False)
+        return chosen["forward"][0], chosen["backward"][0]
+
+    own, stock = "fastmha-cpu", "torch-cpu-flash"
+    if not torch_on_tiles()[dtype]:  # torch's half-type kernels are slow there: fastmha's at any share
+        assert kernels(0.15) == kernels(0.9) == (own, own)
+        return
+    # Native products (AMX too): the forward pays up to 55% of the keys, the backward up to 75%.
+    assert kernels(0.5) == (own, own)
+    assert kernels(0.6) == (stock, own)
+    assert kernels(0.8) == (stock, stock)
+    # Widened products pay only below 20%.
+    monkeypatch.setenv("FASTMHA_CPU_HALF_GEMM", "widen")
+    assert kernels(0.15) == (own, own)
+    assert kernels(0.3) == (stock, stock)
+
+
+@pytest.mark.parametrize("lk", [11, 512, 513])
+def test_backward_kernel_depends_on_amx_tiles_for_half_types_beyond_512_keys(lk):
+    for dtype, on_tiles in torch_on_tiles().items():
+        q, k, v = qkv(b=1, h=1, lk=lk, dtype=dtype)
+        expected = "torch-cpu-flash" if on_tiles and lk > 512 else "fastmha-cpu"
         # Half-type weights are never handed to the backward, so keeping them changes nothing there.
         for need_weights in (False, True):
-            assert choices(q, k, v, need_weights=need_weights)["backward"][0] == expected, (dtype, need_weights)
+            kernel, reason = choices(q, k, v, need_weights=need_weights)["backward"]
+            assert kernel == expected, (dtype, need_weights, reason)
+            if on_tiles:
+                assert reason.split(";")[0] == (
+                    "backward in a half type torch's CPU flash kernel multiplies on AMX tiles, over more than 512 keys"
+                    if lk > 512 else
+                    "backward over at most 512 keys: fastmha's kernel is faster than torch's there, also on AMX tiles")
 
 
 def test_cases_torchs_kernel_cannot_serve_stay_with_fastmha(monkeypatch):
@@ -279,7 +310,8 @@ def test_stock_kernel_takes_an_expanded_output_gradient(monkeypatch):
 
 
 @pytest.mark.parametrize("forward_kernel,backward_kernel", [("own", "stock"), ("stock", "own")])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+# Half types too: on AMX tiles the default runs torch's forward and fastmha's backward up to 512 keys.
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 def test_forward_and_backward_on_different_kernels(monkeypatch, forward_kernel, backward_kernel, dtype):
     # Rows with no visible key are where the kernels' own log-sum-exps differ: the saved one must serve both.
     q, k, v = qkv(lq=7, lk=8, dtype=dtype, requires_grad=True)
