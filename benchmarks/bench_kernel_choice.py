@@ -17,7 +17,8 @@ steps and short query blocks; masks none, padding or is_causal), dropout 0, need
 fastmha's calls, which then all run its own kernels), and one of these masks
 (--masks), which SDPA gets too (as a bool attn_mask):
   none            no mask
-  padding         (B, 1, 1, L) int64, each sequence keeps its first 10-25% of the keys (a padded batch)
+  padding         (B, 1, 1, L) int64, each sequence keeps its first 10-25% of the keys (a padded batch; --kept F:
+                  the first F of them in every sequence, to find the share up to which skipping pays)
   padding+causal  (B, 1, L, L) int64, the same padding and the causal triangle (a padded decoder batch)
   causal          (L, L) bool, the causal triangle given as a mask (is_causal not set)
   is_causal       no mask, is_causal=True (top-left aligned; SDPA gets is_causal=True too)
@@ -39,6 +40,7 @@ of n x n matrices in the same dtype, measured once per dtype: n 4096, 2048 for h
     python benchmarks/bench_kernel_choice.py --dtypes bfloat16,float16 --need-weights --out ...  # native vs own
     python benchmarks/bench_kernel_choice.py --dtypes bfloat16 --need-weights --query-length 1 --out ...
     python benchmarks/bench_kernel_choice.py --dtypes float32 --own-float-gemm brgemm --out ...  # brgemm vs blas
+    python benchmarks/bench_kernel_choice.py --masks padding --kept 0.55 --sizes 1x4096 --out ...
     python benchmarks/bench_kernel_choice.py --quick     # a smoke run (seconds)
 """
 
@@ -65,6 +67,7 @@ SIZES = [(16, 128), (4, 512), (2, 1024), (1, 4096)]  # (batch, length): about th
 QUICK_SIZES = [(2, 64)]
 PADDED_SIZES = [(8, 350), (2, 1024), (1, 4096)]  # 350: the textbook's padded sentence length
 OWN_FLOAT_GEMM = "auto"  # --own-float-gemm: how the own column multiplies float32's P V
+KEPT = None  # --kept: the share of the keys every padded sequence keeps (default: 10-25%, drawn per sequence)
 MASKS = ["none", "padding", "padding+causal", "causal", "is_causal", "window", "documents"]
 
 
@@ -79,7 +82,8 @@ def make_mask(kind, batch, length):
     if kind == "documents":
         return rows // 256 == cols // 256
     generator = torch.Generator().manual_seed(batch * length)
-    kept = torch.randint(length // 10, length // 4 + 1, (batch,), generator=generator)
+    kept = torch.randint(length // 10, length // 4 + 1, (batch,), generator=generator) if KEPT is None else \
+        torch.full((batch,), int(KEPT * length))
     visible = torch.arange(length)[None, :] < kept[:, None]
     if kind == "padding":
         return visible[:, None, None, :].to(torch.int64)
@@ -207,10 +211,13 @@ def main():
     parser.add_argument("--gemm", action="store_true", help="the forward's efficiency: its products alone")
     parser.add_argument("--own-float-gemm", choices=["auto", "blas", "brgemm"], default="auto",
                         help="FASTMHA_CPU_FLOAT_GEMM of the own column (default: the default's choice)")
+    parser.add_argument("--kept", type=float, help="share of the keys every padded sequence keeps (0 to 1)")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
-    global OWN_FLOAT_GEMM
-    OWN_FLOAT_GEMM = args.own_float_gemm
+    global OWN_FLOAT_GEMM, KEPT
+    OWN_FLOAT_GEMM, KEPT = args.own_float_gemm, args.kept
+    if KEPT is not None and not 0 < KEPT <= 1:
+        parser.error(f"--kept must lie in (0, 1], got {KEPT}")
     chosen_sizes = [tuple(int(n) for n in size.split("x")) for size in args.sizes.split(",")] if args.sizes else None
     masks = args.masks.split(",")
     if unknown := set(masks) - set(MASKS):
@@ -221,7 +228,8 @@ def main():
     stamp = cpu_lines()
     header = [f"fastmha {fastmha.__version__} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
               f"{datetime.date.today()}", *stamp, *half_products_lines(),
-              f"own column's float32 P V: FASTMHA_CPU_FLOAT_GEMM={args.own_float_gemm}"]
+              f"own column's float32 P V: FASTMHA_CPU_FLOAT_GEMM={args.own_float_gemm}",
+              f"padded sequences keep: {'10-25% of the keys' if KEPT is None else f'{KEPT:.0%} of the keys'}"]
     peak = {}
     if args.gemm:
         for dtype_name in args.dtypes.split(","):

@@ -74,6 +74,27 @@ def test_bench_kernel_choice_quick_run_with_every_mask(tmp_path):
     assert "| padding+causal | float32 |" in out.with_suffix(".md").read_text()
 
 
+def test_bench_kernel_choice_pads_every_sequence_to_the_kept_share(tmp_path):
+    out = tmp_path / "kept"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_kernel_choice.py"), "--quick", "--dtypes",
+                    "float32", "--masks", "padding", "--kept", "0.25", "--gemm", "--own-float-gemm", "brgemm",
+                    "--out", str(out)], check=True, capture_output=True, timeout=300)
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert "padded sequences keep: 25% of the keys" in result["machine"]
+    assert "own column's float32 P V: FASTMHA_CPU_FLOAT_GEMM=brgemm" in result["machine"]
+    (forward,) = [r for r in result["rows"] if r["pass"] == "fwd"]
+    # The rate counts the mask's visible pairs: a quarter of the keys for every query of every sequence.
+    length = forward["length"]
+    flops = 4 * forward["head_dim"] * forward["batch"] * 8 * length * (length // 4)
+    assert forward["auto_gflops"] == pytest.approx(flops / forward["ms"]["auto"] / 1e6, rel=5e-2, abs=0.1)
+
+
+def test_bench_kernel_choice_rejects_a_kept_share_outside_0_to_1():
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_kernel_choice.py"), "--quick", "--kept",
+                          "1.5"], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "--kept must lie in (0, 1], got 1.5" in run.stderr
+
+
 def test_bench_kernel_choice_measures_half_type_products_with_kept_weights(tmp_path):
     out = tmp_path / "native"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_kernel_choice.py"), "--quick", "--dtypes",
@@ -131,6 +152,15 @@ def test_bench_cpu_backward_kernels_quick_run(tmp_path):
     assert all(r["ms"]["own"] > 0 and r["ms"]["stock"] > 0 for r in result["rows"])
     assert any(line.startswith("cpu isa:") for line in result["machine"])
     assert "| float32 | padding | 64 | 1 | 128 |" in out.with_suffix(".md").read_text()
+
+
+def test_bench_cpu_backward_kernels_quick_run_in_half_types(tmp_path):
+    out = tmp_path / "backward-half"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cpu_backward_kernels.py"), "--quick", "--half",
+                    "--out", str(out)], check=True, capture_output=True, timeout=300)
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert {r["dtype"] for r in rows} == {"bfloat16", "float16"}
+    assert all(r["ms"]["own"] > 0 and r["ms"]["stock"] > 0 for r in rows)
 
 
 def test_bench_model_quick_run_trains_and_decodes_with_every_block(tmp_path):
