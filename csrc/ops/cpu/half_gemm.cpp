@@ -167,31 +167,6 @@ void pad_rows(const uint16_t* src, int64_t ld, int64_t m, int64_t d, uint16_t* d
   zero_left_padding(m, d, dst);
 }
 
-namespace {
-
-// One panel of C (padded_rows(m) rows of kPanel columns, row stride ldc) = A B[:, c0 ..], the depth in pieces.
-void panel_product(HalfKind kind, bool vnni, int64_t m, int64_t c0, int64_t depth, const uint16_t* a, PackedRight b,
-                   float* c, int64_t ldc, bool add_c) {
-  const int64_t rows = padded_rows(m);
-  for (int64_t k0 = 0; k0 < depth; k0 += kMaxDepthPiece) {
-    const int64_t piece = std::min(kMaxDepthPiece, depth - k0);
-    const uint16_t* left = a + left_index(0, k0, m);
-    const uint16_t* right = b.data + packed_index(k0, c0, b.rows, vnni);
-    const bool add = add_c || k0 > 0;
-    if (kind == HalfKind::kBFloat16) {
-      at::native::cpublas::brgemm(rows, kPanel, piece, kMaxDepthPiece, kPanel, ldc, add,
-                                  reinterpret_cast<const at::BFloat16*>(left),
-                                  reinterpret_cast<const at::BFloat16*>(right), c, vnni);
-    } else {
-      at::native::cpublas::brgemm(rows, kPanel, piece, kMaxDepthPiece, kPanel, ldc, add,
-                                  reinterpret_cast<const at::Half*>(left), reinterpret_cast<const at::Half*>(right), c,
-                                  vnni);
-    }
-  }
-}
-
-}  // namespace
-
 void half_gemm(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, const uint16_t* a, PackedRight b,
                float* c, int64_t ldc, bool add_c, float alpha) {
   TORCH_INTERNAL_ASSERT(b.rows >= depth, "a packed right operand of ", b.rows, " rows for a depth of ", depth);
@@ -202,25 +177,25 @@ void half_gemm(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, co
     for (int64_t r = 0; r < m && !add_c; ++r) std::fill(c + r * ldc, c + r * ldc + n, 0.0f);
     return;
   }
-  // Whole panels of C take the products in place where C has exactly the padded rows and a row stride among a few
-  // (each stride is another kernel for oneDNN to compile and keep); the rest go through a panel of scratch.
-  const bool in_place_rows =
-      m == padded_rows(m) && ldc % kPanel == 0 && ldc <= kMaxInPlaceStride && (alpha == 1.0f || !add_c);
   thread_local std::vector<float> panel_out;  // one panel of C for all padded rows
+  const int64_t rows = padded_rows(m);
+  panel_out.resize(static_cast<size_t>(rows * kPanel));
   for (int64_t c0 = 0; c0 < n; c0 += kPanel) {
-    const int64_t width = std::min(kPanel, n - c0);
-    if (in_place_rows && width == kPanel) {
-      panel_product(kind, vnni, m, c0, depth, a, b, c + c0, ldc, add_c);
-      if (alpha != 1.0f) {
-        for (int64_t r = 0; r < m; ++r) {
-          float* to = c + r * ldc + c0;
-          for (int64_t j = 0; j < kPanel; ++j) to[j] *= alpha;
-        }
+    for (int64_t k0 = 0; k0 < depth; k0 += kMaxDepthPiece) {
+      const int64_t piece = std::min(kMaxDepthPiece, depth - k0);
+      const uint16_t* left = a + left_index(0, k0, m);
+      const uint16_t* right = b.data + packed_index(k0, c0, b.rows, vnni);
+      if (kind == HalfKind::kBFloat16) {
+        at::native::cpublas::brgemm(rows, kPanel, piece, kMaxDepthPiece, kPanel, kPanel, k0 > 0,
+                                    reinterpret_cast<const at::BFloat16*>(left),
+                                    reinterpret_cast<const at::BFloat16*>(right), panel_out.data(), vnni);
+      } else {
+        at::native::cpublas::brgemm(rows, kPanel, piece, kMaxDepthPiece, kPanel, kPanel, k0 > 0,
+                                    reinterpret_cast<const at::Half*>(left), reinterpret_cast<const at::Half*>(right),
+                                    panel_out.data(), vnni);
       }
-      continue;
     }
-    panel_out.resize(static_cast<size_t>(padded_rows(m) * kPanel));
-    panel_product(kind, vnni, m, c0, depth, a, b, panel_out.data(), kPanel, false);
+    const int64_t width = std::min(kPanel, n - c0);
     for (int64_t r = 0; r < m; ++r) {
       const float* from = panel_out.data() + r * kPanel;
       float* to = c + r * ldc + c0;

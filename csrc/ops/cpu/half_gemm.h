@@ -63,10 +63,6 @@ HalfProducts choose_half_products(at::ScalarType dtype, HalfGemmMode mode, bool 
 constexpr int64_t kPanel = 64;           // columns per panel of a packed right operand
 constexpr int64_t kDepthMultiple = 64;   // depths are padded with zeros to a multiple of this (even: VNNI pairs)
 constexpr int64_t kMaxDepthPiece = 512;  // depth per call of the kernel; longer sums add up pieces
-// The longest row stride of C that a product writes in place (a multiple of kPanel): at most 16 strides more for
-// oneDNN to compile kernels for. Other strides, and rows or columns short of whole padded panels, go through a
-// panel of scratch and a copy.
-constexpr int64_t kMaxInPlaceStride = 1024;
 
 inline int64_t padded_depth(int64_t depth) { return (depth + kDepthMultiple - 1) / kDepthMultiple * kDepthMultiple; }
 
