@@ -71,8 +71,11 @@ def main():
     args, repeats, header = start(
         __doc__, 5, lambda parser: parser.add_argument("--half", action="store_true", help="bfloat16 and float16"))
     rows = []
-    cases = (HALF_CASES, CASES) if not args.quick else (QUICK_HALF_CASES, QUICK_CASES)
-    for case in cases[0] if args.half else cases[1]:
+    if args.half:
+        cases = QUICK_HALF_CASES if args.quick else HALF_CASES
+    else:
+        cases = QUICK_CASES if args.quick else CASES
+    for case in cases:
         row = measure(*case, repeats)
         rows.append(row)
         print(" | ".join(f"{name} {cell(row)}" for name, cell in COLUMNS.items()), flush=True)
