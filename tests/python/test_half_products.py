@@ -240,3 +240,19 @@ def test_bad_switch_value_is_named(monkeypatch):
             torch.ops.fastmha.attention(q, q, q, None, 0.0, True, False)
         with pytest.raises(RuntimeError, match=message):
             fastmha.explain(q, q, q)
+
+
+@pytest.mark.parametrize("block", ["64", "100", ""], ids=["block=64", "block=100", "block=auto"])
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+def test_is_causal_mixes_blocks_with_and_without_the_cut(half_products, monkeypatch, block, dtype):
+    # The blocks below a chunk's first row take the raw products and one pass per row; those the causal cut
+    # crosses write -1e9 into scaled scores first: both kinds fold into the same running max and sum of a row.
+    monkeypatch.setenv("FASTMHA_CPU_KEY_BLOCK", block)
+    q, k, v, grad = half_inputs(dtype, lq=300, lk=300)
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    out, _ = torch.ops.fastmha.attention(*inputs, None, 0.0, False, True)
+    got = torch.autograd.grad(out, inputs, grad)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_weights = oracle_attention(*ref, torch.ones(300, 300, dtype=torch.bool).tril(), None, 0.0)
+    want = torch.autograd.grad(ref_out, ref, grad.double())
+    assert_attention_close((out, None, got), (ref_out, ref_weights, want), dtype, False)

@@ -288,10 +288,30 @@ void apply_mask(T* s, int64_t n, const bool* mask_row, int64_t col_stride) {
   }
 }
 
+// The max of a row (NaN if any element is NaN). Four running maxima, so that long rows are not held up by the
+// latency of one chain of max instructions.
 template <typename T>
 T row_max(const T* s, int64_t n) {
   using Vec = Vectorized<T>;
-  return at::vec::reduce_all<T>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s, n);
+  const auto vec_max = [](Vec& a, Vec& b) { return at::vec::maximum(a, b); };
+  constexpr int64_t kStep = 4 * Vec::size();
+  if (n < kStep) {
+    return at::vec::reduce_all<T>(vec_max, s, n);
+  }
+  Vec m0 = Vec::loadu(s), m1 = Vec::loadu(s + Vec::size()), m2 = Vec::loadu(s + 2 * Vec::size()),
+      m3 = Vec::loadu(s + 3 * Vec::size());
+  int64_t j = kStep;
+  for (; j + kStep <= n; j += kStep) {
+    m0 = at::vec::maximum(m0, Vec::loadu(s + j));
+    m1 = at::vec::maximum(m1, Vec::loadu(s + j + Vec::size()));
+    m2 = at::vec::maximum(m2, Vec::loadu(s + j + 2 * Vec::size()));
+    m3 = at::vec::maximum(m3, Vec::loadu(s + j + 3 * Vec::size()));
+  }
+  Vec all = at::vec::maximum(at::vec::maximum(m0, m1), at::vec::maximum(m2, m3));
+  if (j < n) {
+    all = at::vec::maximum(all, Vec(at::vec::reduce_all<T>(vec_max, s + j, n - j)));
+  }
+  return at::vec::vec_reduce_all<T>(vec_max, all);
 }
 
 // exp for the softmax. `fast` takes torch's 20-ULP polynomial exp for float (the one its flash kernel uses: a
@@ -342,6 +362,60 @@ template <typename T>
 void scale_row(T* x, int64_t n, T factor) {
   using Vec = Vectorized<T>;
   at::vec::map([factor](Vec v) { return v * Vec(factor); }, x, x, n);
+}
+
+// Two vectors of floats rounded to the half type H (to nearest even) and stored at `out`: by AVX512-BF16's one
+// instruction where the processor has it (this variant is compiled without its flag, hence the assembly), otherwise
+// by ATen's conversion in a few integer steps. That instruction flushes results below bfloat16's normal range to
+// zero: weights under 1e-38, which the softmax's exp already gives as zero.
+template <typename H>
+inline void store_rounded(const Vectorized<float>& lo, const Vectorized<float>& hi, H* out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<H, at::BFloat16>) {
+    static const bool instruction = __builtin_cpu_supports("avx512bf16");
+    if (instruction) {
+      __m512i bits;
+      asm("vcvtne2ps2bf16 %2, %1, %0" : "=v"(bits) : "v"(__m512(hi)), "v"(__m512(lo)));  // low half from lo
+      _mm512_storeu_si512(out, bits);
+      return;
+    }
+  }
+#endif
+  at::vec::convert_from_float<H>(lo, hi).store(out);
+}
+
+// Row r of a left operand of m rows (half_gemm.h) <- exp(scale * s - max) rounded to the half type, times the
+// dropout multipliers `keep` where given; returns the sum of the exponentials (before dropout). The scale, the
+// exp and the rounding of the online forward's exp_shifted and rows_to_half in one pass, for raw products s.
+template <typename H>
+float exp_to_half_row(const float* s, int64_t n, float scale, float max, bool fast, const float* keep, uint16_t* left,
+                      int64_t r, int64_t m) {
+  using Vec = Vectorized<float>;
+  constexpr int64_t kStep = 2 * Vec::size();
+  const Vec scale_vec(scale), max_vec(max);
+  Vec sum_vec(0.0f);
+  float sum = 0.0f;
+  for (int64_t k0 = 0; k0 < n; k0 += kMaxDepthPiece) {
+    const int64_t end = std::min(n, k0 + kMaxDepthPiece);
+    H* out = reinterpret_cast<H*>(left + left_index(r, k0, m)) - k0;
+    int64_t j = k0;
+    for (; j + kStep <= end; j += kStep) {
+      Vec e0 = softmax_exp(Vec::loadu(s + j) * scale_vec - max_vec, fast);
+      Vec e1 = softmax_exp(Vec::loadu(s + j + Vec::size()) * scale_vec - max_vec, fast);
+      sum_vec = sum_vec + e0 + e1;
+      if (keep != nullptr) {
+        e0 = e0 * Vec::loadu(keep + j);
+        e1 = e1 * Vec::loadu(keep + j + Vec::size());
+      }
+      store_rounded<H>(e0, e1, out + j);
+    }
+    for (; j < end; ++j) {
+      const float e = std::exp(s[j] * scale - max);
+      sum += e;
+      out[j] = H(keep != nullptr ? e * keep[j] : e);
+    }
+  }
+  return sum + at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum_vec);
 }
 
 // Dropout multipliers (0 or 1/(1-p)) of elements first .. first + n - 1 of the (B, H, Lq, Lk) score layout.
@@ -642,6 +716,77 @@ struct OnlineBuffers {
   std::vector<uint32_t> words;
 };
 
+// Whether a block of a chunk's keys takes fold_half_block: products in the half type and no key of the block that
+// a row may not see (no mask to read, no causal cut), so the raw products need no -1e9 written into them.
+template <typename T>
+bool unmasked_half_block(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, const KeySpan& block) {
+  return std::is_same_v<T, float> && head.half_q != nullptr && !block.masked && !(in.is_causal && block.hi > row0 + 1);
+}
+
+// Row stride of the online forward's score buffer: its half-type products write whole panels of kPanel keys, and a
+// further panel keeps the stride off powers of two, whose rows share cache sets (on an Intel Xeon with AMX the
+// products of 1024 keys into a stride of 1088 floats ran 1.25x as fast as into 1024).
+inline int64_t online_scores_ld(int64_t key_block) { return (key_block + kPanel - 1) / kPanel * kPanel + kPanel; }
+
+// One block of online_chunk that unmasked_half_block admits: the kernels write the raw products Q K^T in place
+// (q_left: the chunk's query rows as a left operand), one pass per row folds them into the running max and sum and
+// leaves the weights in the half type as the left operand of P V, whose products are added to the output rows
+// (after rescaling them when a row's max grew). Returns as online_chunk's block would: the same numbers, fewer
+// passes over the scores.
+template <typename T>
+void fold_half_block(const AttentionInputs<T>& in, const Head<T>& head, const uint16_t* q_left, int64_t rows,
+                     int64_t first_row, const KeySpan& block, OnlineBuffers<T>& buf, T* out_rows, int64_t out_ld,
+                     bool computed) {
+  if constexpr (std::is_same_v<T, float>) {
+    const HalfOperands& half = in.half;
+    HalfScratch& scratch = half_scratch();
+    const int64_t n = block.size(), ld = online_scores_ld(in.key_block), depth_k = padded_depth(in.d_k);
+    PackedRight keys = columns_of_head(head.keys_t, half.keys_t, block.lo, half.vnni);
+    if (keys.data == nullptr) {
+      scratch.right.resize(packed_size(depth_k, n));
+      pack_transposed(head.half_k + block.lo * half.k_stride.row, half.k_stride.row, n, in.d_k, half.vnni,
+                      scratch.right.data());
+      keys = {scratch.right.data(), depth_k};
+    }
+    half_gemm_in_place(half.kind, half.vnni, rows, n, depth_k, q_left, keys, buf.scores.data(), ld);
+    if (in.dropout_p > 0) {
+      fill_chunk_keep(in, first_row, rows, block, buf.words, buf.keep.data());
+    }
+    const int64_t depth = padded_depth(n);
+    scratch.left.resize(left_size(rows, depth));
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* s = buf.scores.data() + r * ld;
+      const float old = buf.max[r], block_max = row_max(s, n) * in.scale;
+      const float now = std::isnan(block_max) || block_max > old ? block_max : old;
+      if (now == -std::numeric_limits<float>::infinity()) {  // every score so far is -inf: no weight yet
+        for (int64_t k0 = 0; k0 < n; k0 += kMaxDepthPiece) {
+          uint16_t* row = scratch.left.data() + left_index(r, k0, rows);
+          std::fill(row, row + std::min(kMaxDepthPiece, n - k0), uint16_t{0});
+        }
+        continue;
+      }
+      const float* keep = in.dropout_p > 0 ? buf.keep.data() + r * n : nullptr;
+      const float rescale = std::exp(old - now);  // 0 for the first finite block
+      const float sum =
+          half.kind == HalfKind::kBFloat16
+              ? exp_to_half_row<at::BFloat16>(s, n, in.scale, now, std::isfinite(now), keep, scratch.left.data(), r,
+                                              rows)
+              : exp_to_half_row<at::Half>(s, n, in.scale, now, std::isfinite(now), keep, scratch.left.data(), r, rows);
+      buf.sum[r] = buf.sum[r] * rescale + sum;
+      buf.max[r] = now;
+      if (computed && rescale != 1.0f) {
+        scale_row(out_rows + r * out_ld, in.d_v, rescale);
+      }
+    }
+    zero_left_padding(rows, n, scratch.left.data());
+    const PackedRight values = rows_of_head(head.values, half.values, head.half_v, half.v_stride.row, block.lo, n,
+                                            in.len_k, in.d_v, half.vnni, scratch.right);
+    half_gemm(half.kind, half.vnni, rows, in.d_v, depth, scratch.left.data(), values, out_rows, out_ld, computed);
+  } else {
+    TORCH_INTERNAL_ASSERT(false, "half-type products take float scores");
+  }
+}
+
 // The output rows of a chunk over its key span, without kept weights: the span is walked in blocks of at most
 // in.key_block keys with an online softmax. Each block's scores are exponentiated against the running row max,
 // and the output accumulated so far is rescaled whenever that max grows, so only rows x key_block scores exist
@@ -655,6 +800,14 @@ bool online_chunk(const AttentionInputs<T>& in, const Head<T>& head, int64_t row
   std::fill(buf.max.begin(), buf.max.begin() + rows, kNegInf);
   std::fill(buf.sum.begin(), buf.sum.begin() + rows, T(0));
   bool skipped = span.size() < in.len_k, computed = false;
+  // The chunk's query rows as the left operand of the half-type products of its unmasked blocks, padded once.
+  const uint16_t* q_left = nullptr;
+  if (head.half_q != nullptr) {
+    std::vector<uint16_t>& chunk_q = half_scratch().chunk_q;
+    chunk_q.resize(left_size(rows, padded_depth(in.d_k)));
+    pad_rows(head.half_q + row0 * in.half.q_stride.row, in.half.q_stride.row, rows, in.d_k, chunk_q.data());
+    q_left = chunk_q.data();
+  }
   for (int64_t from = span.lo; from < span.hi;) {
     const KeySpan block = next_block(in, head, row0, rows, span, from, narrow);
     skipped = skipped || block.lo > from;
@@ -663,6 +816,11 @@ bool online_chunk(const AttentionInputs<T>& in, const Head<T>& head, int64_t row
     }
     from = block.hi;
     const int64_t n = block.size();
+    if (q_left != nullptr && unmasked_half_block(in, head, row0, block)) {
+      fold_half_block(in, head, q_left, rows, first_row, block, buf, out_rows, out_ld, computed);
+      computed = true;
+      continue;
+    }
     block_scores(in, head, row0, rows, block, buf.scores.data(), n);
     if (in.dropout_p > 0) {
       fill_chunk_keep(in, first_row, rows, block, buf.words, buf.keep.data());
@@ -740,7 +898,9 @@ void online_forward(const AttentionInputs<T>& in, const AttentionForwardOutputs<
   for_each_task(in.batch * in.heads * chunks, head_grain(in, chunks), [&](const auto& claim) {
     const HalfProductsTask half_products(in.half.vnni);
     OnlineBuffers<T> buf;
-    buf.scores.resize(chunk * in.key_block);
+    // Half-type products write padded rows and whole panels (fold_half_block).
+    buf.scores.resize(in.half.q != nullptr ? padded_rows(chunk) * online_scores_ld(in.key_block)
+                                           : chunk * in.key_block);
     buf.keep.resize(in.dropout_p > 0 ? chunk * in.key_block : 0);
     buf.max.resize(chunk);
     buf.sum.resize(chunk);

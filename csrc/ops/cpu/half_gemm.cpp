@@ -19,6 +19,20 @@ namespace {
 
 uint16_t half_bits(HalfKind kind, float x) { return kind == HalfKind::kBFloat16 ? c10::BFloat16(x).x : c10::Half(x).x; }
 
+// One panel of kPanel columns of a product, one depth piece: out (rows x kPanel, row stride ldc) (+)= left right.
+void panel_product(HalfKind kind, bool vnni, int64_t rows, int64_t piece, const uint16_t* left, const uint16_t* right,
+                   float* out, int64_t ldc, bool add) {
+  if (kind == HalfKind::kBFloat16) {
+    at::native::cpublas::brgemm(rows, kPanel, piece, kMaxDepthPiece, kPanel, ldc, add,
+                                reinterpret_cast<const at::BFloat16*>(left),
+                                reinterpret_cast<const at::BFloat16*>(right), out, vnni);
+  } else {
+    at::native::cpublas::brgemm(rows, kPanel, piece, kMaxDepthPiece, kPanel, ldc, add,
+                                reinterpret_cast<const at::Half*>(left), reinterpret_cast<const at::Half*>(right), out,
+                                vnni);
+  }
+}
+
 }  // namespace
 
 bool half_products_probe(HalfKind kind, bool vnni) {
@@ -185,15 +199,7 @@ void half_gemm(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, co
       const int64_t piece = std::min(kMaxDepthPiece, depth - k0);
       const uint16_t* left = a + left_index(0, k0, m);
       const uint16_t* right = b.data + packed_index(k0, c0, b.rows, vnni);
-      if (kind == HalfKind::kBFloat16) {
-        at::native::cpublas::brgemm(rows, kPanel, piece, kMaxDepthPiece, kPanel, kPanel, k0 > 0,
-                                    reinterpret_cast<const at::BFloat16*>(left),
-                                    reinterpret_cast<const at::BFloat16*>(right), panel_out.data(), vnni);
-      } else {
-        at::native::cpublas::brgemm(rows, kPanel, piece, kMaxDepthPiece, kPanel, kPanel, k0 > 0,
-                                    reinterpret_cast<const at::Half*>(left), reinterpret_cast<const at::Half*>(right),
-                                    panel_out.data(), vnni);
-      }
+      panel_product(kind, vnni, rows, piece, left, right, panel_out.data(), kPanel, k0 > 0);
     }
     const int64_t width = std::min(kPanel, n - c0);
     for (int64_t r = 0; r < m; ++r) {
@@ -204,6 +210,21 @@ void half_gemm(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, co
       } else {
         for (int64_t j = 0; j < width; ++j) to[j] = alpha * from[j];
       }
+    }
+  }
+}
+
+void half_gemm_in_place(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, const uint16_t* a, PackedRight b,
+                        float* c, int64_t ldc) {
+  TORCH_INTERNAL_ASSERT(b.rows >= depth && depth > 0 && ldc >= (n + kPanel - 1) / kPanel * kPanel,
+                        "an in-place product of ", n, " columns, depth ", depth, ", row stride ", ldc);
+  const int64_t rows = padded_rows(m);
+  for (int64_t c0 = 0; c0 < n; c0 += kPanel) {
+    for (int64_t k0 = 0; k0 < depth; k0 += kMaxDepthPiece) {
+      const int64_t piece = std::min(kMaxDepthPiece, depth - k0);
+      const uint16_t* left = a + left_index(0, k0, m);
+      const uint16_t* right = b.data + packed_index(k0, c0, b.rows, vnni);
+      panel_product(kind, vnni, rows, piece, left, right, c + c0, ldc, k0 > 0);
     }
   }
 }

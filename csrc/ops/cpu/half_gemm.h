@@ -128,6 +128,11 @@ inline PackedRight packed_from_row(const uint16_t* packed, int64_t rows, int64_t
 void half_gemm(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, const uint16_t* a, PackedRight b,
                float* c, int64_t ldc, bool add_c, float alpha = 1.0f);
 
+// C = A B as half_gemm without its copy: the kernels write C in place, so C must hold padded_rows(m) rows of at
+// least n rounded up to kPanel columns (row stride ldc); what lies beyond m rows and n columns is overwritten.
+void half_gemm_in_place(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, const uint16_t* a, PackedRight b,
+                        float* c, int64_t ldc);
+
 // Frees the calling thread's hardware state of the native kernels (AMX tile configuration) when it goes out of
 // scope: one per task of a forward.
 class HalfProductsTask {
