@@ -154,9 +154,12 @@ def test_dropout_with_half_type_products(half_products, need_weights, dtype):
 
 
 @pytest.mark.parametrize("need_weights", [False, True], ids=["blocked", "kept weights"])
+@pytest.mark.parametrize("block", ["64", ""], ids=["block=64", "block=auto"])
 @pytest.mark.parametrize("dtype", HALF_TYPES)
-def test_nan_value_at_a_hidden_key_propagates_like_the_math(half_products, need_weights, dtype):
-    # A zero weight times a NaN value is NaN: the key no row sees must still be multiplied.
+def test_nan_value_at_a_hidden_key_propagates_like_the_math(half_products, monkeypatch, need_weights, block, dtype):
+    # A zero weight times a NaN value is NaN: the key no row sees must still be multiplied, also where the heads'
+    # packs stop at the last visible key (blocks of 64 keys read them).
+    monkeypatch.setenv("FASTMHA_CPU_KEY_BLOCK", block)
     q, k, v, grad = half_inputs(dtype)
     v[0, 1, 120, 5] = float("nan")
     mask = padding([100, 100])
@@ -256,3 +259,15 @@ def test_is_causal_mixes_blocks_with_and_without_the_cut(half_products, monkeypa
     ref_out, ref_weights = oracle_attention(*ref, torch.ones(300, 300, dtype=torch.bool).tril(), None, 0.0)
     want = torch.autograd.grad(ref_out, ref, grad.double())
     assert_attention_close((out, None, got), (ref_out, ref_weights, want), dtype, False)
+
+
+@pytest.mark.parametrize("lengths", [[0, 150], [1, 64], [65, 129]], ids=["no key, all", "1, 64", "65, 129"])
+@pytest.mark.parametrize("block", ["16", "64", ""], ids=["block=16", "block=64", "block=auto"])
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+def test_padding_masks_pack_the_keys_up_to_the_last_visible_one(half_products, monkeypatch, lengths, block, dtype):
+    # One mask row for all queries: each head packs its keys and values only up to the last key that row shows
+    # (all of them for a sequence with none, whose rows are uniform over all keys), and blocks end there.
+    monkeypatch.setenv("FASTMHA_CPU_KEY_BLOCK", block)
+    q, k, v, grad = half_inputs(dtype)
+    got, want = run_and_oracle(q, k, v, padding(lengths), False, grad)
+    assert_attention_close(got, want, dtype, False)

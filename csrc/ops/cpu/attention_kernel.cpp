@@ -132,12 +132,10 @@ bool all_finite(const at::Tensor& t) {
   }
   // Dense with positive strides: the elements fill numel() places from the first one on.
   const auto* bits = static_cast<const uint16_t*>(t.const_data_ptr());
-  const uint16_t exponent = dtype == at::kBFloat16 ? 0x7F80 : 0x7C00;
+  const auto kind = dtype == at::kBFloat16 ? cpu::HalfKind::kBFloat16 : cpu::HalfKind::kFloat16;
   std::atomic<bool> finite{true};
   at::parallel_for(0, t.numel(), int64_t{1} << 16, [&](int64_t begin, int64_t end) {
-    bool bad = false;
-    for (int64_t i = begin; i < end; ++i) bad |= (bits[i] & exponent) == exponent;
-    if (bad) finite = false;
+    if (!cpu::all_finite_bits(kind, bits + begin, end - begin)) finite = false;
   });
   return finite;
 }
@@ -189,13 +187,13 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
   auto logsumexp = at::empty({batch, heads, len_q}, acc_options);
   auto rng_state = dropout_p > 0 ? draw_cpu_rng_state() : at::zeros({2}, at::kLong);
   // The half-type operands: of the products, or of the tasks' widening. With half-type products the forward
-  // reads only v widened (its scan for non-finite values).
+  // widens none of them (its scan of the values for non-finite entries reads their bits).
   const HalfInputs half_inputs(query, key, value, half_output);
   const auto operand = [&](const at::Tensor& half_type, const at::Tensor& x, bool widened) {
     return widened ? kernel_operand(x, acc) : half_type;
   };
   const auto q = operand(half_inputs.q, query, !half_output), k = operand(half_inputs.k, key, !half_output);
-  const auto v = operand(half_inputs.v, value, !widen_in_tasks);
+  const auto v = operand(half_inputs.v, value, !half_output);
   const auto mask_view = broadcast_mask(mask, query, key);
   const auto* state = rng_state.const_data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES(acc, "fastmha_cpu_attention_forward", [&] {

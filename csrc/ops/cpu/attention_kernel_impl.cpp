@@ -58,11 +58,12 @@ struct Head {
   const uint16_t* half_q = nullptr;
   const uint16_t* half_k = nullptr;
   const uint16_t* half_v = nullptr;
-  // This head's operands packed once (HalfOperands; with_packed_heads), or nullptr.
+  // This head's operands packed once (HalfOperands; with_packed_heads), or nullptr; keys 0 .. packed_keys - 1.
   const uint16_t* keys_t = nullptr;
   const uint16_t* values = nullptr;
   const uint16_t* values_t = nullptr;
   const uint16_t* keys = nullptr;
+  int64_t packed_keys = 0;
 };
 
 template <typename T>
@@ -82,6 +83,7 @@ Head<T> head_pointers(const AttentionInputs<T>& in, int64_t bh) {
     head.values = of_head(half.values);
     head.values_t = of_head(half.values_t);
     head.keys = of_head(half.keys);
+    head.packed_keys = half.packed_keys != nullptr ? half.packed_keys[bh] : in.len_k;
   }
   return head;
 }
@@ -135,25 +137,28 @@ void transposed_to_half(HalfKind kind, const T* src, int64_t ld, int64_t rows, i
   }
 }
 
-// Columns lo .. of a head's packed K^T or V^T (zeros beyond its last key) as a right operand, when lo starts a panel;
-// otherwise {nullptr}: the block is packed on its own.
-inline PackedRight columns_of_head(const uint16_t* head_pack, const PackedHeads& layout, int64_t lo, bool vnni) {
-  if (head_pack == nullptr || lo % kPanel != 0) {
+// Columns lo .. lo + n of a head's packed K^T or V^T (zeros beyond its last packed key) as a right operand, when lo
+// starts a panel and the pack holds them (head.packed_keys); otherwise {nullptr}: the block is packed on its own.
+template <typename T>
+PackedRight columns_of_head(const Head<T>& head, const uint16_t* head_pack, const PackedHeads& layout, int64_t lo,
+                            int64_t n, bool vnni) {
+  if (head_pack == nullptr || lo % kPanel != 0 || lo + n > head.packed_keys) {
     return {nullptr, 0};
   }
   return {head_pack + packed_index(0, lo, layout.rows, vnni), layout.rows};
 }
 
 // The right operand B = rows lo .. lo + n of a head's K or V (`src`: the head's rows in the half type, row stride ld,
-// d elements each), padded_depth(n) deep. Taken from the head's pack when that depth reads only these rows and the
-// pack's zeros (lo on a multiple of kDepthMultiple; n one too, or the block ends at the last key): the rows after a
-// block may hold a NaN or an infinity, which the zero weights of the padding would turn into NaN. Otherwise the
-// rows are packed into `scratch`.
-inline PackedRight rows_of_head(const uint16_t* head_pack, const PackedHeads& layout, const uint16_t* src, int64_t ld,
-                                int64_t lo, int64_t n, int64_t len_k, int64_t d, bool vnni,
-                                std::vector<uint16_t>& scratch) {
-  if (head_pack != nullptr && lo % kDepthMultiple == 0 && (n % kDepthMultiple == 0 || lo + n == len_k)) {
-    return packed_from_row(head_pack, layout.rows, lo, vnni);
+// d elements each), padded_depth(n) deep. Taken from the head's pack (of `packed_keys` keys, zeros after them up to
+// padded_depth(packed_keys) rows) when that depth reads only these rows and the pack's zeros (lo on a multiple of
+// kDepthMultiple; n one too, or the block ends at the last packed key): the rows after a block may hold a NaN or
+// an infinity, which the zero weights of the padding would turn into NaN. Otherwise the rows are packed into
+// `scratch`.
+inline PackedRight rows_of_head(const uint16_t* head_pack, int64_t packed_keys, const uint16_t* src, int64_t ld,
+                                int64_t lo, int64_t n, int64_t d, bool vnni, std::vector<uint16_t>& scratch) {
+  if (head_pack != nullptr && lo % kDepthMultiple == 0 && lo + n <= packed_keys &&
+      (n % kDepthMultiple == 0 || lo + n == packed_keys)) {
+    return packed_from_row(head_pack, padded_depth(packed_keys), lo, vnni);
   }
   const int64_t depth = padded_depth(n);
   scratch.resize(packed_size(depth, d));
@@ -187,20 +192,40 @@ void half_scores(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0
     const HalfOperands& half = in.half;
     half_times_transposed(half, head.half_q + row0 * half.q_stride.row, half.q_stride.row, rows,
                           head.half_k + lo * half.k_stride.row, half.k_stride.row,
-                          columns_of_head(head.keys_t, half.keys_t, lo, half.vnni), n, in.d_k, scores, ld, in.scale);
+                          columns_of_head(head, head.keys_t, half.keys_t, lo, n, half.vnni), n, in.d_k, scores, ld,
+                          in.scale);
   } else {
     TORCH_INTERNAL_ASSERT(false, "half-type products take float scores");
   }
 }
 
+// What with_packed_heads packs into: the operands' bits and each head's count of packed keys.
+struct PackedHeadsStorage {
+  std::unique_ptr<uint16_t[]> bits;
+  std::vector<int64_t> keys;
+};
+
+// The keys of head bh that its query chunks multiply, as far as one look at the mask tells: with one mask row for
+// all queries (a padding mask), up to its last visible key; all keys otherwise, or when that row shows none (then
+// every row is uniform over all keys). A chunk that needs keys beyond (to keep a NaN or an infinity of a hidden
+// value) packs those blocks itself.
+template <typename T>
+int64_t keys_to_pack(const AttentionInputs<T>& in, int64_t bh) {
+  const bool* row = head_pointers(in, bh).mask;
+  if (row == nullptr || in.mask_stride[2] != 0 || in.mask_stride[3] == 0) {
+    return in.len_k;
+  }
+  const auto [first, last] = visible_range(row, in.mask_stride[3], in.len_k);
+  return first > last ? in.len_k : last + 1;
+}
+
 // The inputs with the right operands that every query chunk of a head multiplies by packed once per head, into
 // `storage` (HalfOperands: K^T and V for the forward; K^T, V^T and K for the backward), instead of once per block
-// and chunk. An operand whose head size, padded to the packs' 64 columns or depth, would more than double is left
-// to the blocks (a head of 8 would take 8 times its memory for the whole call). Unchanged without half-type
-// products.
+// and chunk: the keys keys_to_pack gives, so that a padded batch packs only what its rows see. An operand whose head
+// size, padded to the packs' 64 columns or depth, would more than double is left to the blocks (a head of 8 would
+// take 8 times its memory for the whole call). Unchanged without half-type products.
 template <typename T>
-AttentionInputs<T> with_packed_heads(const AttentionInputs<T>& in, bool backward,
-                                     std::unique_ptr<uint16_t[]>& storage) {
+AttentionInputs<T> with_packed_heads(const AttentionInputs<T>& in, bool backward, PackedHeadsStorage& storage) {
   if (in.half.q == nullptr) {
     return in;
   }
@@ -215,8 +240,10 @@ AttentionInputs<T> with_packed_heads(const AttentionInputs<T>& in, bool backward
   const int64_t heads = in.batch * in.heads;
   int64_t total = 0;
   for (PackedHeads* p : {&half.keys_t, &half.values, &half.values_t, &half.keys}) total += p->per_head * heads;
-  storage = std::make_unique_for_overwrite<uint16_t[]>(static_cast<size_t>(std::max<int64_t>(total, 1)));
-  uint16_t* next = storage.get();
+  storage.bits = std::make_unique_for_overwrite<uint16_t[]>(static_cast<size_t>(std::max<int64_t>(total, 1)));
+  storage.keys.resize(static_cast<size_t>(heads));
+  half.packed_keys = storage.keys.data();
+  uint16_t* next = storage.bits.get();
   auto place = [&](PackedHeads& p) {  // p's place in storage, nullptr when it is not packed
     uint16_t* base = p.per_head > 0 ? next : nullptr;
     p.data = base;
@@ -231,17 +258,19 @@ AttentionInputs<T> with_packed_heads(const AttentionInputs<T>& in, bool backward
   at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const Head<T> head = head_pointers(in, bh);
+      const int64_t n = keys_to_pack(in, bh);
+      storage.keys[bh] = n;
       if (keys_t != nullptr) {
-        pack_transposed(head.half_k, k_ld, in.len_k, in.d_k, half.vnni, keys_t + bh * half.keys_t.per_head);
+        pack_transposed(head.half_k, k_ld, n, in.d_k, half.vnni, keys_t + bh * half.keys_t.per_head);
       }
       if (values != nullptr) {
-        pack_rows(head.half_v, v_ld, in.len_k, in.d_v, half.vnni, values + bh * half.values.per_head);
+        pack_rows(head.half_v, v_ld, n, in.d_v, half.vnni, values + bh * half.values.per_head);
       }
       if (values_t != nullptr) {
-        pack_transposed(head.half_v, v_ld, in.len_k, in.d_v, half.vnni, values_t + bh * half.values_t.per_head);
+        pack_transposed(head.half_v, v_ld, n, in.d_v, half.vnni, values_t + bh * half.values_t.per_head);
       }
       if (keys_rows != nullptr) {
-        pack_rows(head.half_k, k_ld, in.len_k, in.d_k, half.vnni, keys_rows + bh * half.keys.per_head);
+        pack_rows(head.half_k, k_ld, n, in.d_k, half.vnni, keys_rows + bh * half.keys.per_head);
       }
     }
   });
@@ -269,8 +298,8 @@ void apply_values(const AttentionInputs<T>& in, const Head<T>& head, const T* p,
     const int64_t depth = padded_depth(n);
     scratch.left.resize(left_size(rows, depth));
     rows_to_half(in.half.kind, p, ld, rows, n, scratch.left.data());
-    const PackedRight values = rows_of_head(head.values, in.half.values, head.half_v, in.half.v_stride.row, lo, n,
-                                            in.len_k, in.d_v, in.half.vnni, scratch.right);
+    const PackedRight values = rows_of_head(head.values, head.packed_keys, head.half_v, in.half.v_stride.row, lo, n,
+                                            in.d_v, in.half.vnni, scratch.right);
     half_gemm(in.half.kind, in.half.vnni, rows, in.d_v, depth, scratch.left.data(), values, out_rows, out_ld, add);
   }
 }
@@ -288,30 +317,27 @@ void apply_mask(T* s, int64_t n, const bool* mask_row, int64_t col_stride) {
   }
 }
 
-// The max of a row (NaN if any element is NaN). Four running maxima, so that long rows are not held up by the
-// latency of one chain of max instructions.
+// The max of a row (NaN if any element is NaN; -inf if it is empty). Four running maxima, so that long rows are
+// not held up by the latency of one chain of max instructions; the last few elements in one masked load.
 template <typename T>
 T row_max(const T* s, int64_t n) {
   using Vec = Vectorized<T>;
-  const auto vec_max = [](Vec& a, Vec& b) { return at::vec::maximum(a, b); };
-  constexpr int64_t kStep = 4 * Vec::size();
-  if (n < kStep) {
-    return at::vec::reduce_all<T>(vec_max, s, n);
-  }
-  Vec m0 = Vec::loadu(s), m1 = Vec::loadu(s + Vec::size()), m2 = Vec::loadu(s + 2 * Vec::size()),
-      m3 = Vec::loadu(s + 3 * Vec::size());
-  int64_t j = kStep;
-  for (; j + kStep <= n; j += kStep) {
+  constexpr int64_t kLanes = Vec::size();
+  const Vec lowest(-std::numeric_limits<T>::infinity());
+  Vec m0 = lowest, m1 = lowest, m2 = lowest, m3 = lowest;
+  int64_t j = 0;
+  for (; j + 4 * kLanes <= n; j += 4 * kLanes) {
     m0 = at::vec::maximum(m0, Vec::loadu(s + j));
-    m1 = at::vec::maximum(m1, Vec::loadu(s + j + Vec::size()));
-    m2 = at::vec::maximum(m2, Vec::loadu(s + j + 2 * Vec::size()));
-    m3 = at::vec::maximum(m3, Vec::loadu(s + j + 3 * Vec::size()));
+    m1 = at::vec::maximum(m1, Vec::loadu(s + j + kLanes));
+    m2 = at::vec::maximum(m2, Vec::loadu(s + j + 2 * kLanes));
+    m3 = at::vec::maximum(m3, Vec::loadu(s + j + 3 * kLanes));
   }
-  Vec all = at::vec::maximum(at::vec::maximum(m0, m1), at::vec::maximum(m2, m3));
+  for (; j + kLanes <= n; j += kLanes) m0 = at::vec::maximum(m0, Vec::loadu(s + j));
   if (j < n) {
-    all = at::vec::maximum(all, Vec(at::vec::reduce_all<T>(vec_max, s + j, n - j)));
+    m1 = at::vec::maximum(m1, Vec::set(lowest, Vec::loadu(s + j, n - j), n - j));
   }
-  return at::vec::vec_reduce_all<T>(vec_max, all);
+  return at::vec::vec_reduce_all<T>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); },
+                                    at::vec::maximum(at::vec::maximum(m0, m1), at::vec::maximum(m2, m3)));
 }
 
 // exp for the softmax. `fast` takes torch's 20-ULP polynomial exp for float (the one its flash kernel uses: a
@@ -368,12 +394,14 @@ void scale_row(T* x, int64_t n, T factor) {
 // instruction where the processor has it (this variant is compiled without its flag, hence the assembly), otherwise
 // by ATen's conversion in a few integer steps. That instruction flushes results below bfloat16's normal range to
 // zero: weights under 1e-38, which the softmax's exp already gives as zero.
+// Only the first `count` of them where count is less than both vectors' lanes.
 template <typename H>
-inline void store_rounded(const Vectorized<float>& lo, const Vectorized<float>& hi, H* out) {
+inline void store_rounded(const Vectorized<float>& lo, const Vectorized<float>& hi, H* out,
+                          int64_t count = 2 * Vectorized<float>::size()) {
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<H, at::BFloat16>) {
     static const bool instruction = __builtin_cpu_supports("avx512bf16");
-    if (instruction) {
+    if (instruction && count == 2 * Vectorized<float>::size()) {
       __m512i bits;
       asm("vcvtne2ps2bf16 %2, %1, %0" : "=v"(bits) : "v"(__m512(hi)), "v"(__m512(lo)));  // low half from lo
       _mm512_storeu_si512(out, bits);
@@ -381,7 +409,7 @@ inline void store_rounded(const Vectorized<float>& lo, const Vectorized<float>& 
     }
   }
 #endif
-  at::vec::convert_from_float<H>(lo, hi).store(out);
+  at::vec::convert_from_float<H>(lo, hi).store(out, static_cast<int>(count));
 }
 
 // Row r of a left operand of m rows (half_gemm.h) <- exp(scale * s - max) rounded to the half type, times the
@@ -394,7 +422,6 @@ float exp_to_half_row(const float* s, int64_t n, float scale, float max, bool fa
   constexpr int64_t kStep = 2 * Vec::size();
   const Vec scale_vec(scale), max_vec(max);
   Vec sum_vec(0.0f);
-  float sum = 0.0f;
   for (int64_t k0 = 0; k0 < n; k0 += kMaxDepthPiece) {
     const int64_t end = std::min(n, k0 + kMaxDepthPiece);
     H* out = reinterpret_cast<H*>(left + left_index(r, k0, m)) - k0;
@@ -409,13 +436,21 @@ float exp_to_half_row(const float* s, int64_t n, float scale, float max, bool fa
       }
       store_rounded<H>(e0, e1, out + j);
     }
-    for (; j < end; ++j) {
-      const float e = std::exp(s[j] * scale - max);
-      sum += e;
-      out[j] = H(keep != nullptr ? e * keep[j] : e);
+    if (j < end) {  // fewer than kStep elements: masked loads, lanes beyond the row weigh 0
+      const int64_t count0 = std::min<int64_t>(end - j, Vec::size()), count1 = end - j - count0;
+      const Vec zero(0.0f);
+      const auto weights = [&](int64_t at, int64_t count) {
+        if (count == 0) {
+          return zero;
+        }
+        const Vec e = Vec::set(zero, softmax_exp(Vec::loadu(s + at, count) * scale_vec - max_vec, fast), count);
+        sum_vec = sum_vec + e;
+        return keep != nullptr ? e * Vec::loadu(keep + at, count) : e;
+      };
+      store_rounded<H>(weights(j, count0), weights(j + Vec::size(), count1), out + j, end - j);
     }
   }
-  return sum + at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum_vec);
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum_vec);
 }
 
 // Dropout multipliers (0 or 1/(1-p)) of elements first .. first + n - 1 of the (B, H, Lq, Lk) score layout.
@@ -623,6 +658,17 @@ bool finite_rows(const T* v, int64_t row_stride, int64_t from, int64_t to, int64
   return at::vec::vec_reduce_all<T>([](Vec& a, Vec& b) { return a + b; }, acc) + tail == T(0);
 }
 
+// finite_rows of a half-type matrix (bits, row stride row_stride).
+inline bool finite_half_rows(HalfKind kind, const uint16_t* x, int64_t row_stride, int64_t from, int64_t to,
+                             int64_t d) {
+  if (row_stride == d) {  // one run
+    return all_finite_bits(kind, x + from * d, (to - from) * d);
+  }
+  bool finite = true;
+  for (int64_t i = from; i < to && finite; ++i) finite = all_finite_bits(kind, x + i * row_stride, d);
+  return finite;
+}
+
 // The first and the last key of a head whose key or value row holds a NaN or an infinity, found once per head
 // (a task keeps one of these and walks its chunks head by head). A zero weight times such a value is NaN in
 // the forward; a zero score gradient times such a key is NaN in dQ. The forward looks at the values only
@@ -652,9 +698,16 @@ class NonFiniteKeys {
     head_index_ = head_index;
     first_ = in.len_k;
     last_ = -1;
+    // Read in the half type where the products run in it (the forward has no widened copy then).
+    const HalfOperands& half = in.half;
     auto finite = [&](int64_t from, int64_t to) {
-      return finite_rows(head.v, in.v_stride.row, from, to, in.d_v) &&
-             (!with_keys_ || finite_rows(head.k, in.k_stride.row, from, to, in.d_k));
+      const bool values = head.half_v != nullptr
+                              ? finite_half_rows(half.kind, head.half_v, half.v_stride.row, from, to, in.d_v)
+                              : finite_rows(head.v, in.v_stride.row, from, to, in.d_v);
+      return values &&
+             (!with_keys_ ||
+              (head.half_k != nullptr ? finite_half_rows(half.kind, head.half_k, half.k_stride.row, from, to, in.d_k)
+                                      : finite_rows(head.k, in.k_stride.row, from, to, in.d_k)));
     };
     if (!finite(0, in.len_k)) {
       for (int64_t i = 0; i < in.len_k; ++i) {
@@ -741,7 +794,7 @@ void fold_half_block(const AttentionInputs<T>& in, const Head<T>& head, const ui
     const HalfOperands& half = in.half;
     HalfScratch& scratch = half_scratch();
     const int64_t n = block.size(), ld = online_scores_ld(in.key_block), depth_k = padded_depth(in.d_k);
-    PackedRight keys = columns_of_head(head.keys_t, half.keys_t, block.lo, half.vnni);
+    PackedRight keys = columns_of_head(head, head.keys_t, half.keys_t, block.lo, n, half.vnni);
     if (keys.data == nullptr) {
       scratch.right.resize(packed_size(depth_k, n));
       pack_transposed(head.half_k + block.lo * half.k_stride.row, half.k_stride.row, n, in.d_k, half.vnni,
@@ -779,8 +832,8 @@ void fold_half_block(const AttentionInputs<T>& in, const Head<T>& head, const ui
       }
     }
     zero_left_padding(rows, n, scratch.left.data());
-    const PackedRight values = rows_of_head(head.values, half.values, head.half_v, half.v_stride.row, block.lo, n,
-                                            in.len_k, in.d_v, half.vnni, scratch.right);
+    const PackedRight values = rows_of_head(head.values, head.packed_keys, head.half_v, half.v_stride.row, block.lo, n,
+                                            in.d_v, half.vnni, scratch.right);
     half_gemm(half.kind, half.vnni, rows, in.d_v, depth, scratch.left.data(), values, out_rows, out_ld, computed);
   } else {
     TORCH_INTERNAL_ASSERT(false, "half-type products take float scores");
@@ -940,7 +993,7 @@ void write_half_weights(const AttentionForwardOutputs<T>& out, int64_t first, co
 
 template <typename T>
 void forward_impl(const AttentionInputs<T>& inputs, const AttentionForwardOutputs<T>& out) {
-  std::unique_ptr<uint16_t[]> packed_heads;
+  PackedHeadsStorage packed_heads;
   TORCH_INTERNAL_ASSERT(!inputs.widen_in_tasks || (inputs.half.q == nullptr && std::is_same_v<T, float>),
                         "the tasks widen half-type operands only for products in float");
   const AttentionInputs<T> in = with_packed_heads(inputs, false, packed_heads);
@@ -1261,9 +1314,9 @@ template <typename T>
 void half_grad_weights(const AttentionInputs<T>& in, const uint16_t* grad_out, int64_t ld_grad_out, const Head<T>& head,
                        int64_t rows, int64_t lo, int64_t n, T* grad_w) {
   if constexpr (std::is_same_v<T, float>) {
-    half_times_transposed(in.half, grad_out, ld_grad_out, rows, head.half_v + lo * in.half.v_stride.row,
-                          in.half.v_stride.row, columns_of_head(head.values_t, in.half.values_t, lo, in.half.vnni), n,
-                          in.d_v, grad_w, n, 1.0f);
+    half_times_transposed(
+        in.half, grad_out, ld_grad_out, rows, head.half_v + lo * in.half.v_stride.row, in.half.v_stride.row,
+        columns_of_head(head, head.values_t, in.half.values_t, lo, n, in.half.vnni), n, in.d_v, grad_w, n, 1.0f);
   } else {
     TORCH_INTERNAL_ASSERT(false, "half-type products take float scores");
   }
@@ -1306,8 +1359,8 @@ void half_block_gradients(const AttentionInputs<T>& in, const AttentionBackwardT
     // dQ (+)= scale dS K
     scratch.left.resize(left_size(rows, by_keys));
     rows_to_half(kind, grad_w, n, rows, n, scratch.left.data());
-    const PackedRight keys = rows_of_head(head.keys, in.half.keys, head.half_k, in.half.k_stride.row, lo, n, in.len_k,
-                                          in.d_k, vnni, scratch.right);
+    const PackedRight keys = rows_of_head(head.keys, head.packed_keys, head.half_k, in.half.k_stride.row, lo, n, in.d_k,
+                                          vnni, scratch.right);
     half_gemm(kind, vnni, rows, in.d_k, by_keys, scratch.left.data(), keys, grad_q, g.grad_q_stride.row, add_q);
   } else {
     TORCH_INTERNAL_ASSERT(false, "half-type products take float scores");
@@ -1448,7 +1501,7 @@ void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<
 // (then so is their score gradient).
 template <typename T>
 void blocked_backward(const AttentionInputs<T>& inputs, const AttentionBackwardTensors<T>& g) {
-  std::unique_ptr<uint16_t[]> packed_heads;
+  PackedHeadsStorage packed_heads;
   const AttentionInputs<T> in = with_packed_heads(inputs, true, packed_heads);
   const int64_t chunk = backward_query_chunk(true, in.len_q, in.len_k, in.batch * in.heads, at::get_num_threads());
   for_each_backward_chunk(in, g, chunk, in.key_block,

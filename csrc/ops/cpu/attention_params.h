@@ -34,6 +34,8 @@ struct HalfOperands {
   // Right operands the kernels pack once per head for every query chunk of it (with_packed_heads): K^T for the
   // scores, V for the forward's P V; V^T for the backward's dO V^T and K for its dS K.
   PackedHeads keys_t, values, values_t, keys;
+  // Per head (b * heads + h): the packs hold keys 0 .. packed_keys[bh] - 1 (nullptr: all keys).
+  const int64_t* packed_keys = nullptr;
 };
 
 template <typename T>
