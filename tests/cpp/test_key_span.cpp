@@ -5,6 +5,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <limits>
 #include <vector>
 
@@ -157,4 +158,41 @@ TEST_CASE("a run bridges gaps under 32 keys and splits off visible prefixes of 6
   prefix[1].narrow(0, 100, 100).fill_(false);  // 100 keys every row sees: a run of its own, no mask read
   run = run_of(prefix);
   CHECK((run.hi == 100 && !run.masked));
+}
+
+TEST_CASE("the keys up to the last one any row shows, in random masks of any layout", "[key_span]") {
+  using fastmha::cpu::keys_up_to_last_visible;
+  torch::manual_seed(1);
+  // Oracle: one past the last key some row sees; all keys when some row sees none.
+  auto expected = [](const MaskView& m) {
+    int64_t keys = 0;
+    for (int64_t r = 0; r < m.rows(); ++r) {
+      int64_t last = -1;
+      for (int64_t j = 0; j < m.keys(); ++j) last = m.at(r, j) ? j : last;
+      if (last < 0) return m.keys();
+      keys = std::max(keys, last + 1);
+    }
+    return keys;
+  };
+  auto got = [](const MaskView& m) {
+    return keys_up_to_last_visible(m.data(), m.view.stride(0), m.view.stride(1), m.rows(), m.keys());
+  };
+  const auto cols = torch::arange(300).unsqueeze(0), rows = torch::arange(40).unsqueeze(1);
+  for (int64_t length : {1, 37, 64, 200, 300}) {
+    for (double density : {0.3, 1.0}) {
+      auto mask = (cols < length) & (torch::rand({40, 300}) < density);
+      mask.select(1, 0).fill_(true);  // every row sees key 0
+      for (const auto& m :
+           {mask, mask & (cols <= rows * 3), mask.t().contiguous().t(), mask.narrow(0, 5, 1).expand({40, 300})}) {
+        INFO("length " << length << " density " << density);
+        CHECK(got({m}) == expected({m}));
+      }
+    }
+  }
+  auto early_row_reaches_furthest = (cols < 10).expand({40, 300}).clone();
+  early_row_reaches_furthest[0][250] = true;
+  CHECK(got({early_row_reaches_furthest}) == 251);
+  auto row_without_key = (cols < 10).expand({40, 300}).clone();
+  row_without_key[17].fill_(false);  // uniform over all keys
+  CHECK(got({row_without_key}) == 300);
 }

@@ -262,12 +262,18 @@ def test_is_causal_mixes_blocks_with_and_without_the_cut(half_products, monkeypa
 
 
 @pytest.mark.parametrize("lengths", [[0, 150], [1, 64], [65, 129]], ids=["no key, all", "1, 64", "65, 129"])
+@pytest.mark.parametrize("causal", [False, True], ids=["padding", "padding and causal"])
 @pytest.mark.parametrize("block", ["16", "64", ""], ids=["block=16", "block=64", "block=auto"])
 @pytest.mark.parametrize("dtype", HALF_TYPES)
-def test_padding_masks_pack_the_keys_up_to_the_last_visible_one(half_products, monkeypatch, lengths, block, dtype):
-    # One mask row for all queries: each head packs its keys and values only up to the last key that row shows
-    # (all of them for a sequence with none, whose rows are uniform over all keys), and blocks end there.
+def test_padded_heads_pack_the_keys_up_to_the_last_visible_one(half_products, monkeypatch, lengths, causal, block,
+                                                               dtype):
+    # Each head packs its keys and values only up to the last key a row of its mask shows (all of them for a
+    # sequence with a row that shows none, uniform over all keys), and blocks end there: with one mask row for all
+    # queries, and with (B, 1, Lq, Lk) rows of padding and the causal triangle, whose rows reach different keys.
     monkeypatch.setenv("FASTMHA_CPU_KEY_BLOCK", block)
     q, k, v, grad = half_inputs(dtype)
-    got, want = run_and_oracle(q, k, v, padding(lengths), False, grad)
+    mask = padding(lengths)
+    if causal:
+        mask = mask & torch.ones(LQ, LK, dtype=torch.bool).tril()
+    got, want = run_and_oracle(q, k, v, mask, False, grad)
     assert_attention_close(got, want, dtype, False)

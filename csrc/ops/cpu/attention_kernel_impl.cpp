@@ -205,18 +205,27 @@ struct PackedHeadsStorage {
   std::vector<int64_t> keys;
 };
 
-// The keys of head bh that its query chunks multiply, as far as one look at the mask tells: with one mask row for
-// all queries (a padding mask), up to its last visible key; all keys otherwise, or when that row shows none (then
-// every row is uniform over all keys). A chunk that needs keys beyond (to keep a NaN or an infinity of a hidden
-// value) packs those blocks itself.
+// The keys of each head (b * heads + h) that its query chunks multiply: up to the last key that some row of its
+// mask shows (keys_up_to_last_visible), all keys without a mask or where a row shows none (then that row is
+// uniform over all keys). A chunk that needs keys beyond (to keep a NaN or an infinity of a hidden value) packs
+// those blocks itself. Heads that share a mask slice share one search.
 template <typename T>
-int64_t keys_to_pack(const AttentionInputs<T>& in, int64_t bh) {
-  const bool* row = head_pointers(in, bh).mask;
-  if (row == nullptr || in.mask_stride[2] != 0 || in.mask_stride[3] == 0) {
-    return in.len_k;
+std::vector<int64_t> keys_to_pack(const AttentionInputs<T>& in) {
+  const int64_t heads = in.batch * in.heads;
+  std::vector<int64_t> keys(static_cast<size_t>(heads), in.len_k);
+  if (in.mask == nullptr || in.mask_stride[3] == 0) {
+    return keys;
   }
-  const auto [first, last] = visible_range(row, in.mask_stride[3], in.len_k);
-  return first > last ? in.len_k : last + 1;
+  const bool shared = in.mask_stride[1] == 0;
+  at::parallel_for(0, shared ? in.batch : heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t slice = begin; slice < end; ++slice) {
+      const int64_t first_head = shared ? slice * in.heads : slice;
+      const int64_t n = keys_up_to_last_visible(head_pointers(in, first_head).mask, in.mask_stride[2],
+                                                in.mask_stride[3], in.len_q, in.len_k);
+      std::fill_n(keys.begin() + first_head, shared ? in.heads : 1, n);
+    }
+  });
+  return keys;
 }
 
 // The inputs with the right operands that every query chunk of a head multiplies by packed once per head, into
@@ -241,7 +250,7 @@ AttentionInputs<T> with_packed_heads(const AttentionInputs<T>& in, bool backward
   int64_t total = 0;
   for (PackedHeads* p : {&half.keys_t, &half.values, &half.values_t, &half.keys}) total += p->per_head * heads;
   storage.bits = std::make_unique_for_overwrite<uint16_t[]>(static_cast<size_t>(std::max<int64_t>(total, 1)));
-  storage.keys.resize(static_cast<size_t>(heads));
+  storage.keys = keys_to_pack(in);
   half.packed_keys = storage.keys.data();
   uint16_t* next = storage.bits.get();
   auto place = [&](PackedHeads& p) {  // p's place in storage, nullptr when it is not packed
@@ -258,8 +267,7 @@ AttentionInputs<T> with_packed_heads(const AttentionInputs<T>& in, bool backward
   at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const Head<T> head = head_pointers(in, bh);
-      const int64_t n = keys_to_pack(in, bh);
-      storage.keys[bh] = n;
+      const int64_t n = storage.keys[bh];
       if (keys_t != nullptr) {
         pack_transposed(head.half_k, k_ld, n, in.d_k, half.vnni, keys_t + bh * half.keys_t.per_head);
       }

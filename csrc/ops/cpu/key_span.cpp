@@ -101,6 +101,18 @@ std::pair<int64_t, int64_t> visible_range(const bool* row, int64_t stride, int64
   return {first, first + last_visible(row + first * stride, stride, n - first)};
 }
 
+int64_t keys_up_to_last_visible(const bool* mask, int64_t row_stride, int64_t col_stride, int64_t rows, int64_t n) {
+  int64_t keys = 0;
+  for (int64_t r = (row_stride == 0 ? 1 : rows) - 1; r >= 0; --r) {
+    const bool* row = mask + r * row_stride;
+    if (first_visible(row, col_stride, n) == n) {
+      return n;
+    }
+    keys += 1 + last_visible(row + keys * col_stride, col_stride, n - keys);
+  }
+  return keys;
+}
+
 bool has_hidden_key(const bool* row, int64_t stride, int64_t first, int64_t last) {
   return any_hidden(row + (first + 1) * stride, stride, last - first - 1);
 }

@@ -15,6 +15,11 @@ namespace fastmha::cpu {
 // The first and last true entry among row[0], row[stride], ... (n entries), or {n, -1} when there is none.
 std::pair<int64_t, int64_t> visible_range(const bool* row, int64_t stride, int64_t n);
 
+// The number of keys up to the last one that any of `rows` mask rows shows (row r at mask + r * row_stride, its n
+// keys col_stride apart; a row stride of 0 means one row), or n when some row shows none. Rows are taken from the
+// last one, which shows the most under a causal mask, and each is searched only beyond the last key found so far.
+int64_t keys_up_to_last_visible(const bool* mask, int64_t row_stride, int64_t col_stride, int64_t rows, int64_t n);
+
 // Whether some entry of the row strictly between `first` and `last` is false.
 bool has_hidden_key(const bool* row, int64_t stride, int64_t first, int64_t last);
 
