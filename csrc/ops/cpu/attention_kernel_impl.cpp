@@ -361,7 +361,8 @@ Vectorized<T> softmax_exp(const Vectorized<T>& x, bool fast) {
   }
 }
 
-// In place: s <- exp(s - max); returns the sum of the exponentials.
+// In place: s <- exp(s - max); returns the sum of the exponentials. A row's last few elements take one masked
+// vector load rather than scalar exp calls (short rows, such as a padded batch's, are mostly such elements).
 template <typename T>
 T exp_shifted(T* s, int64_t n, T max, bool fast = false) {
   using Vec = Vectorized<T>;
@@ -373,12 +374,13 @@ T exp_shifted(T* s, int64_t n, T max, bool fast = false) {
     e.store(s + j);
     sum_vec = sum_vec + e;
   }
-  T sum = at::vec::vec_reduce_all<T>([](Vec& a, Vec& b) { return a + b; }, sum_vec);
-  for (; j < n; ++j) {
-    s[j] = std::exp(s[j] - max);
-    sum += s[j];
+  if (j < n) {  // the last few in one masked load: lanes beyond the row add 0
+    const int64_t count = n - j;
+    const Vec e = Vec::set(Vec(T(0)), softmax_exp(Vec::loadu(s + j, count) - max_vec, fast), count);
+    e.store(s + j, count);
+    sum_vec = sum_vec + e;
   }
-  return sum;
+  return at::vec::vec_reduce_all<T>([](Vec& a, Vec& b) { return a + b; }, sum_vec);
 }
 
 // In place: s <- exp(s - max(s)); returns {max, sum of the exponentials}. The caller normalizes, either the
