@@ -127,8 +127,8 @@ KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share, 
   // types on AMX tiles, fastmha's widened forward took 3-5x torch's time on the first Xeon measured, 1.7-2.6x on an
   // Emerald Rapids (so 20%). Its native products there (AMX too), bfloat16 with a padding mask: forward 0.60-0.82x
   // torch's time with 70% of the keys visible (512-4096 keys, d_k 64 and 128; about even at 1024), 0.75-1.16x with
-  // 85%; backward 0.79-0.80x with 70%, 0.88-1.10x with 85% (2048-4096 keys). Half types torch multiplies without
-  // tiles take fastmha's kernel at any share.
+  // 85%; backward 0.79-0.80x with 70%, 0.88-1.10x with 85% (2048-4096 keys); float16 on AMX-FP16 follows untested.
+  // Half types torch multiplies without tiles take fastmha's kernel at any share.
   const bool pass_forward = call.pass == Pass::kForward;
   const double own_pays_below = torch_on_tiles && !half_on_native() ? 0.2 : 0.75;
   const std::string skipped = "a mask that leaves " + std::to_string(static_cast<int>(span * 100 + 0.5)) +

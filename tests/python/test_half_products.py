@@ -90,14 +90,16 @@ def test_half_type_products_match_the_oracle(half_products, monkeypatch, case, n
 
 @pytest.mark.parametrize("need_weights", [False, True], ids=["blocked", "kept weights"])
 @pytest.mark.parametrize("block", ["64", "600"], ids=["block=64", "block=600"])
+@pytest.mark.parametrize("length", [650, 100])
 @pytest.mark.parametrize("dtype", HALF_TYPES)
-def test_large_heads_and_key_blocks(half_products, monkeypatch, need_weights, block, dtype):
+def test_large_heads_and_key_blocks(half_products, monkeypatch, need_weights, block, length, dtype):
     # Head sizes over one panel of 64 columns, packed once per head (blocks of 64 keys read them at every block),
-    # and key blocks of 600: depths in two pieces of at most 512.
+    # and key blocks of 600: depths in two pieces of at most 512. With 100 of 700 keys visible the packs hold 100
+    # keys, and the panels of their rows lie padded_depth(100) apart, not padded_depth(700).
     monkeypatch.setenv("FASTMHA_CPU_KEY_BLOCK", block)
     q, k, v = (torch.randn(1, 2, n, d, dtype=dtype) for n, d in ((70, 80), (700, 80), (700, 130)))
     grad = torch.randn(1, 2, 70, 130, dtype=dtype)
-    got, want = run_and_oracle(q, k, v, padding([650], lk=700), need_weights, grad)
+    got, want = run_and_oracle(q, k, v, padding([length], lk=700), need_weights, grad)
     assert_attention_close(got, want, dtype, need_weights)
 
 

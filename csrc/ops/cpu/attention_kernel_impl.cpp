@@ -71,7 +71,7 @@ Head<T> head_pointers(const AttentionInputs<T>& in, int64_t bh) {
   const int64_t b = bh / in.heads, h = bh % in.heads;
   const bool* mask = in.mask ? in.mask + b * in.mask_stride[0] + h * in.mask_stride[1] : nullptr;
   // No q/k/v pointers when the tasks widen them (in.half_source: forward_chunk and for_each_backward_chunk give
-  // them), nor q/k in a forward whose products run in the half type.
+  // them), nor in a forward whose products run in the half type.
   Head<T> head{head_row(in.q, in.q_stride, in.heads, bh, 0), head_row(in.k, in.k_stride, in.heads, bh, 0),
                head_row(in.v, in.v_stride, in.heads, bh, 0), mask};
   if (const HalfOperands& half = in.half; half.q != nullptr) {
@@ -88,8 +88,8 @@ Head<T> head_pointers(const AttentionInputs<T>& in, int64_t bh) {
   return head;
 }
 
-// The calling thread's operand buffers of the half-type products: one product's own operands, and the blocked
-// backward's chunk of dO and Q rows packed once for all its key blocks.
+// The calling thread's operand buffers of the half-type products: one product's own operands, and a chunk's rows
+// padded or packed once for all its key blocks (the blocked backward's dO and Q, the online forward's Q).
 struct HalfScratch {
   std::vector<uint16_t> left, right, chunk_grad_out, chunk_q;
 };
@@ -250,6 +250,9 @@ AttentionInputs<T> with_packed_heads(const AttentionInputs<T>& in, bool backward
   int64_t total = 0;
   for (PackedHeads* p : {&half.keys_t, &half.values, &half.values_t, &half.keys}) total += p->per_head * heads;
   storage.bits = std::make_unique_for_overwrite<uint16_t[]>(static_cast<size_t>(std::max<int64_t>(total, 1)));
+  if (total == 0) {  // nothing packed: every block packs its own
+    return packed;
+  }
   storage.keys = keys_to_pack(in);
   half.packed_keys = storage.keys.data();
   uint16_t* next = storage.bits.get();
@@ -457,7 +460,8 @@ float exp_to_half_row(const float* s, int64_t n, float scale, float max, bool fa
         sum_vec = sum_vec + e;
         return keep != nullptr ? e * Vec::loadu(keep + at, count) : e;
       };
-      store_rounded<H>(weights(j, count0), weights(j + Vec::size(), count1), out + j, end - j);
+      const Vec w0 = weights(j, count0), w1 = weights(j + Vec::size(), count1);  // in this order: the sum's
+      store_rounded<H>(w0, w1, out + j, end - j);
     }
   }
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum_vec);
@@ -786,16 +790,21 @@ bool unmasked_half_block(const AttentionInputs<T>& in, const Head<T>& head, int6
   return std::is_same_v<T, float> && head.half_q != nullptr && !block.masked && !(in.is_causal && block.hi > row0 + 1);
 }
 
-// Row stride of the online forward's score buffer: its half-type products write whole panels of kPanel keys, and a
-// further panel keeps the stride off powers of two, whose rows share cache sets (on an Intel Xeon with AMX the
-// products of 1024 keys into a stride of 1088 floats ran 1.25x as fast as into 1024).
-inline int64_t online_scores_ld(int64_t key_block) { return (key_block + kPanel - 1) / kPanel * kPanel + kPanel; }
+// Row stride of the online forward's score buffer: the key block rounded up to a power of two of at least kPanel
+// (its half-type products write whole panels, and ATen keeps a kernel for every row stride, so the strides come
+// in a few classes whatever the lengths), plus a panel that keeps it off powers of two, whose rows share cache sets
+// (on an Intel Xeon with AMX the products of 1024 keys into a stride of 1088 floats ran 1.25x as fast as into 1024).
+inline int64_t online_scores_ld(int64_t key_block) {
+  int64_t ld = kPanel;
+  while (ld < key_block) ld *= 2;
+  return ld + kPanel;
+}
 
 // One block of online_chunk that unmasked_half_block admits: the kernels write the raw products Q K^T in place
 // (q_left: the chunk's query rows as a left operand), one pass per row folds them into the running max and sum and
 // leaves the weights in the half type as the left operand of P V, whose products are added to the output rows
-// (after rescaling them when a row's max grew). Returns as online_chunk's block would: the same numbers, fewer
-// passes over the scores.
+// (after rescaling them when a row's max grew). Returns as online_chunk's block would: the same numbers up to
+// rounding (the scale and the max may fuse into one instruction), fewer passes over the scores.
 template <typename T>
 void fold_half_block(const AttentionInputs<T>& in, const Head<T>& head, const uint16_t* q_left, int64_t rows,
                      int64_t first_row, const KeySpan& block, OnlineBuffers<T>& buf, T* out_rows, int64_t out_ld,

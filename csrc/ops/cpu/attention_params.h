@@ -16,7 +16,8 @@ struct Strides3 {
 };
 
 // One operand of every head packed as a right operand (half_gemm.h): per_head elements apart, `rows` rows each (the
-// padded head size for K^T and V^T, the padded key count for K and V). data == nullptr: packed per block.
+// padded head size for K^T and V^T; K and V hold padded_depth of the head's packed keys, HalfOperands::packed_keys,
+// and `rows` is their most). data == nullptr: packed per block.
 struct PackedHeads {
   const uint16_t* data = nullptr;
   int64_t per_head = 0, rows = 0;
@@ -54,8 +55,8 @@ struct AttentionInputs {
   int64_t key_block;      // keys per block of the online-softmax forward and the blocked backward (> 0)
   HalfOperands half;      // T = float only
   // q/k/v in their half type when the kernels' tasks widen them, a head at a time into their own buffers
-  // (widened_rows.h): q, k and v above are then nullptr, their row strides d_k and d_v. q and k are nullptr too
-  // in a forward whose products run in the half type (half). T = float only.
+  // (widened_rows.h): q, k and v above are then nullptr, their row strides d_k and d_v. They are nullptr too in a
+  // forward whose products run in the half type (half). T = float only.
   HalfOperands half_source;
   bool widen_in_tasks = false;  // whether the tasks widen half_source (its pointers are nullptr where it is empty)
   bool float_brgemm = false;    // T = float only: the forward's P V on oneDNN's brgemm (float_gemm.h)

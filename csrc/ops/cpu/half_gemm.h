@@ -7,7 +7,8 @@
 //
 // oneDNN compiles a kernel for every distinct shape and ATen keeps each one per thread for good, so every
 // product here is cut into a small fixed set of shapes: panels of kPanel columns, depths in pieces of at most
-// kMaxDepthPiece (multiples of kDepthMultiple), and rows padded to a power of two; the padding is zeros.
+// kMaxDepthPiece (multiples of kDepthMultiple), and rows padded to a power of two; the padding is zeros. Products
+// written in place (half_gemm_in_place) take the caller's row stride, which it keeps to a few classes.
 #pragma once
 
 #include <c10/core/ScalarType.h>

@@ -102,13 +102,18 @@ std::pair<int64_t, int64_t> visible_range(const bool* row, int64_t stride, int64
 }
 
 int64_t keys_up_to_last_visible(const bool* mask, int64_t row_stride, int64_t col_stride, int64_t rows, int64_t n) {
+  if (rows <= 0) {
+    return n;
+  }
   int64_t keys = 0;
   for (int64_t r = (row_stride == 0 ? 1 : rows) - 1; r >= 0; --r) {
     const bool* row = mask + r * row_stride;
-    if (first_visible(row, col_stride, n) == n) {
+    const int64_t beyond = last_visible(row + keys * col_stride, col_stride, n - keys);
+    if (beyond >= 0) {
+      keys += 1 + beyond;
+    } else if (first_visible(row, col_stride, keys) == keys) {  // nothing beyond, nor before: no visible key
       return n;
     }
-    keys += 1 + last_visible(row + keys * col_stride, col_stride, n - keys);
   }
   return keys;
 }
