@@ -166,6 +166,19 @@ inline PackedRight rows_of_head(const uint16_t* head_pack, int64_t packed_keys, 
   return {scratch.data(), depth};
 }
 
+// The right operand B = right^T for n rows of d elements (row stride right_ld): `packed` where its data is given
+// (columns_of_head), otherwise those rows packed into `scratch`.
+inline PackedRight transposed_right(const uint16_t* right, int64_t right_ld, PackedRight packed, int64_t n, int64_t d,
+                                    bool vnni, std::vector<uint16_t>& scratch) {
+  if (packed.data != nullptr) {
+    return packed;
+  }
+  const int64_t depth = padded_depth(d);
+  scratch.resize(packed_size(depth, n));
+  pack_transposed(right, right_ld, n, d, vnni, scratch.data());
+  return {scratch.data(), depth};
+}
+
 // out (rows x n, row stride ld) = alpha * left . right^T in the half type, accumulated in fp32: `rows` rows of `d`
 // elements (row stride left_ld) times n rows of d elements (row stride right_ld), whose packed panels are taken
 // from `packed` where its data is given (columns_of_head).
@@ -176,11 +189,7 @@ inline void half_times_transposed(const HalfOperands& half, const uint16_t* left
   const int64_t depth = padded_depth(d);
   scratch.left.resize(left_size(rows, depth));
   pad_rows(left, left_ld, rows, d, scratch.left.data());
-  if (packed.data == nullptr) {
-    scratch.right.resize(packed_size(depth, n));
-    pack_transposed(right, right_ld, n, d, half.vnni, scratch.right.data());
-    packed = {scratch.right.data(), depth};
-  }
+  packed = transposed_right(right, right_ld, packed, n, d, half.vnni, scratch.right);
   half_gemm(half.kind, half.vnni, rows, n, depth, scratch.left.data(), packed, out, ld, false, alpha);
 }
 
@@ -249,10 +258,10 @@ AttentionInputs<T> with_packed_heads(const AttentionInputs<T>& in, bool backward
   const int64_t heads = in.batch * in.heads;
   int64_t total = 0;
   for (PackedHeads* p : {&half.keys_t, &half.values, &half.values_t, &half.keys}) total += p->per_head * heads;
-  storage.bits = std::make_unique_for_overwrite<uint16_t[]>(static_cast<size_t>(std::max<int64_t>(total, 1)));
   if (total == 0) {  // nothing packed: every block packs its own
     return packed;
   }
+  storage.bits = std::make_unique_for_overwrite<uint16_t[]>(static_cast<size_t>(total));
   storage.keys = keys_to_pack(in);
   half.packed_keys = storage.keys.data();
   uint16_t* next = storage.bits.get();
@@ -759,21 +768,30 @@ KeySpan scores_for_chunk(const AttentionInputs<T>& in, const Head<T>& head, int6
   return all;
 }
 
-// Folds a block of a row's scores into its running max and sum (the online softmax): s becomes exp(s - max) and
-// the returned factor rescales what was accumulated against the old max (1 when it stayed). While every score so
-// far is -inf the row gets no weight yet: s becomes 0. A NaN max stays NaN.
-template <typename T>
-T fold_block(T* s, int64_t n, T& max, T& sum) {
-  const T block_max = row_max(s, n), old = max;
+// Folds a block of a row, whose scores peak at block_max, into the row's running max and sum (the online softmax):
+// exponentiate(now, fast) turns the block's scores into its weights exp(score - now) and returns their sum, and the
+// returned factor rescales what was accumulated against the old max (1 when it stayed). While every score so far
+// is -inf the row gets no weight yet: no_weight() gives the block zeros. A NaN max stays NaN.
+template <typename T, typename Exponentiate, typename NoWeight>
+T fold_into_row(T block_max, T& max, T& sum, const Exponentiate& exponentiate, const NoWeight& no_weight) {
+  const T old = max;
   const T now = std::isnan(block_max) || block_max > old ? block_max : old;
   if (now == -std::numeric_limits<T>::infinity()) {
-    std::fill(s, s + n, T(0));
+    no_weight();
     return T(1);
   }
   const T rescale = std::exp(old - now);  // 0 for the first finite block
-  sum = sum * rescale + exp_shifted(s, n, now, std::isfinite(now));
+  sum = sum * rescale + exponentiate(now, std::isfinite(now));
   max = now;
   return rescale;
+}
+
+// fold_into_row for a block of scores s, which become the weights in place.
+template <typename T>
+T fold_block(T* s, int64_t n, T& max, T& sum) {
+  return fold_into_row(
+      row_max(s, n), max, sum, [&](T now, bool fast) { return exp_shifted(s, n, now, fast); },
+      [&] { std::fill(s, s + n, T(0)); });
 }
 
 // Per-task buffers of the online-softmax forward: one key block of scores (and dropout multipliers) per row.
@@ -783,11 +801,11 @@ struct OnlineBuffers {
   std::vector<uint32_t> words;
 };
 
-// Whether a block of a chunk's keys takes fold_half_block: products in the half type and no key of the block that
-// a row may not see (no mask to read, no causal cut), so the raw products need no -1e9 written into them.
+// Whether a block of a chunk whose products run in the half type takes fold_half_block: no key of the block that a
+// row may not see (no mask to read, no causal cut), so the raw products need no -1e9 written into them.
 template <typename T>
 bool unmasked_half_block(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, const KeySpan& block) {
-  return std::is_same_v<T, float> && head.half_q != nullptr && !block.masked && !(in.is_causal && block.hi > row0 + 1);
+  return std::is_same_v<T, float> && !block.masked && !(in.is_causal && block.hi > row0 + 1);
 }
 
 // Row stride of the online forward's score buffer: the key block rounded up to a power of two of at least kPanel
@@ -813,13 +831,9 @@ void fold_half_block(const AttentionInputs<T>& in, const Head<T>& head, const ui
     const HalfOperands& half = in.half;
     HalfScratch& scratch = half_scratch();
     const int64_t n = block.size(), ld = online_scores_ld(in.key_block), depth_k = padded_depth(in.d_k);
-    PackedRight keys = columns_of_head(head, head.keys_t, half.keys_t, block.lo, n, half.vnni);
-    if (keys.data == nullptr) {
-      scratch.right.resize(packed_size(depth_k, n));
-      pack_transposed(head.half_k + block.lo * half.k_stride.row, half.k_stride.row, n, in.d_k, half.vnni,
-                      scratch.right.data());
-      keys = {scratch.right.data(), depth_k};
-    }
+    const PackedRight keys = transposed_right(head.half_k + block.lo * half.k_stride.row, half.k_stride.row,
+                                              columns_of_head(head, head.keys_t, half.keys_t, block.lo, n, half.vnni),
+                                              n, in.d_k, half.vnni, scratch.right);
     half_gemm_in_place(half.kind, half.vnni, rows, n, depth_k, q_left, keys, buf.scores.data(), ld);
     if (in.dropout_p > 0) {
       fill_chunk_keep(in, first_row, rows, block, buf.words, buf.keep.data());
@@ -828,24 +842,21 @@ void fold_half_block(const AttentionInputs<T>& in, const Head<T>& head, const ui
     scratch.left.resize(left_size(rows, depth));
     for (int64_t r = 0; r < rows; ++r) {
       const float* s = buf.scores.data() + r * ld;
-      const float old = buf.max[r], block_max = row_max(s, n) * in.scale;
-      const float now = std::isnan(block_max) || block_max > old ? block_max : old;
-      if (now == -std::numeric_limits<float>::infinity()) {  // every score so far is -inf: no weight yet
-        for (int64_t k0 = 0; k0 < n; k0 += kMaxDepthPiece) {
-          uint16_t* row = scratch.left.data() + left_index(r, k0, rows);
-          std::fill(row, row + std::min(kMaxDepthPiece, n - k0), uint16_t{0});
-        }
-        continue;
-      }
       const float* keep = in.dropout_p > 0 ? buf.keep.data() + r * n : nullptr;
-      const float rescale = std::exp(old - now);  // 0 for the first finite block
-      const float sum =
-          half.kind == HalfKind::kBFloat16
-              ? exp_to_half_row<at::BFloat16>(s, n, in.scale, now, std::isfinite(now), keep, scratch.left.data(), r,
-                                              rows)
-              : exp_to_half_row<at::Half>(s, n, in.scale, now, std::isfinite(now), keep, scratch.left.data(), r, rows);
-      buf.sum[r] = buf.sum[r] * rescale + sum;
-      buf.max[r] = now;
+      uint16_t* left = scratch.left.data();
+      // The raw products' max times the scale is the scaled scores' max (the scale is positive).
+      const float rescale = fold_into_row(
+          row_max(s, n) * in.scale, buf.max[r], buf.sum[r],
+          [&](float now, bool fast) {
+            return half.kind == HalfKind::kBFloat16
+                       ? exp_to_half_row<at::BFloat16>(s, n, in.scale, now, fast, keep, left, r, rows)
+                       : exp_to_half_row<at::Half>(s, n, in.scale, now, fast, keep, left, r, rows);
+          },
+          [&] {
+            for (int64_t k0 = 0; k0 < n; k0 += kMaxDepthPiece) {
+              std::fill_n(left + left_index(r, k0, rows), std::min(kMaxDepthPiece, n - k0), uint16_t{0});
+            }
+          });
       if (computed && rescale != 1.0f) {
         scale_row(out_rows + r * out_ld, in.d_v, rescale);
       }

@@ -195,13 +195,9 @@ void half_gemm(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, co
   const int64_t rows = padded_rows(m);
   panel_out.resize(static_cast<size_t>(rows * kPanel));
   for (int64_t c0 = 0; c0 < n; c0 += kPanel) {
-    for (int64_t k0 = 0; k0 < depth; k0 += kMaxDepthPiece) {
-      const int64_t piece = std::min(kMaxDepthPiece, depth - k0);
-      const uint16_t* left = a + left_index(0, k0, m);
-      const uint16_t* right = b.data + packed_index(k0, c0, b.rows, vnni);
-      panel_product(kind, vnni, rows, piece, left, right, panel_out.data(), kPanel, k0 > 0);
-    }
     const int64_t width = std::min(kPanel, n - c0);
+    half_gemm_in_place(kind, vnni, m, width, depth, a, {b.data + packed_index(0, c0, b.rows, vnni), b.rows},
+                       panel_out.data(), kPanel);
     for (int64_t r = 0; r < m; ++r) {
       const float* from = panel_out.data() + r * kPanel;
       float* to = c + r * ldc + c0;
