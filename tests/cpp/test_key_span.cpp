@@ -160,9 +160,35 @@ TEST_CASE("a run bridges gaps under 32 keys and splits off visible prefixes of 6
   CHECK((run.hi == 100 && !run.masked));
 }
 
-TEST_CASE("the keys up to the last one any row shows, in random masks of any layout", "[key_span]") {
+TEST_CASE("each mask row's visible keys and the keys up to the last one any row shows, in any layout", "[key_span]") {
   using fastmha::cpu::keys_up_to_last_visible;
+  using fastmha::cpu::mask_row_extents;
   torch::manual_seed(1);
+  // Oracle of one row: its first and last visible key, and whether it hides one between them.
+  auto check_extents = [](const at::Tensor& view) {  // (B, H, Lq, Lk) bool view
+    const auto rows = mask_row_extents(view);
+    REQUIRE(!rows.extents.empty());
+    for (int64_t b = 0; b < view.size(0); ++b) {
+      for (int64_t h = 0; h < view.size(1); ++h) {
+        for (int64_t q = 0; q < view.size(2); ++q) {
+          const auto row = view[b][h][q].contiguous();
+          const auto& got =
+              rows.extents.at(static_cast<size_t>(b * rows.stride[0] + h * rows.stride[1] + q * rows.stride[2]));
+          const auto visible = row.nonzero().flatten();
+          INFO("row " << b << ", " << h << ", " << q);
+          if (visible.numel() == 0) {
+            CHECK(got.first > got.last);
+            continue;
+          }
+          const int64_t first = visible[0].item<int64_t>(), last = visible[-1].item<int64_t>();
+          CHECK(got.first == first);
+          CHECK(got.last == last);
+          CHECK(got.holes == (visible.numel() < last - first + 1));
+        }
+      }
+    }
+    return rows;
+  };
   // Oracle: one past the last key some row sees; all keys when some row sees none.
   auto expected = [](const MaskView& m) {
     int64_t keys = 0;
@@ -174,8 +200,9 @@ TEST_CASE("the keys up to the last one any row shows, in random masks of any lay
     }
     return keys;
   };
-  auto got = [](const MaskView& m) {
-    return keys_up_to_last_visible(m.data(), m.view.stride(0), m.view.stride(1), m.rows(), m.keys());
+  auto got = [&](const MaskView& m) {
+    const auto rows = check_extents(m.view.unsqueeze(0).unsqueeze(0));
+    return keys_up_to_last_visible(rows.extents.data(), rows.stride[2], m.rows(), m.keys());
   };
   const auto cols = torch::arange(300).unsqueeze(0), rows = torch::arange(40).unsqueeze(1);
   for (int64_t length : {1, 37, 64, 200, 300}) {
@@ -195,4 +222,12 @@ TEST_CASE("the keys up to the last one any row shows, in random masks of any lay
   auto row_without_key = (cols < 10).expand({40, 300}).clone();
   row_without_key[17].fill_(false);  // uniform over all keys
   CHECK(got({row_without_key}) == 300);
+  // Broadcast batch, head and query dimensions are found once: their stride is 0.
+  const auto padding = (torch::arange(50).unsqueeze(0) < torch::tensor({7, 50, 0}).unsqueeze(1)).view({3, 1, 1, 50});
+  auto broadcast = check_extents(padding.expand({3, 4, 6, 50}));
+  CHECK((broadcast.extents.size() == 3 && broadcast.stride[0] == 1 && broadcast.stride[1] == 0 &&
+         broadcast.stride[2] == 0));
+  check_extents((padding & (torch::rand({3, 4, 6, 50}) < 0.5)).transpose(2, 3).contiguous().transpose(2, 3));
+  CHECK(mask_row_extents(padding.narrow(3, 0, 1).expand({3, 4, 6, 50})).extents.empty());  // no key stride
+  CHECK(mask_row_extents(at::Tensor()).extents.empty());
 }

@@ -73,8 +73,8 @@ int64_t key_block_size(Pass pass, int64_t len_q, int64_t heads_total, int64_t d_
 // caller: no pointers, rows of d_k and d_v in the tasks' buffers.
 template <typename T>
 cpu::AttentionInputs<T> kernel_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                      const at::Tensor& mask, double dropout_p, bool is_causal, uint64_t seed,
-                                      uint64_t offset, Pass pass) {
+                                      const at::Tensor& mask, const cpu::MaskRowExtents& mask_rows, double dropout_p,
+                                      bool is_causal, uint64_t seed, uint64_t offset, Pass pass) {
   cpu::AttentionInputs<T> in{};
   auto operand = [](const at::Tensor& t, const T*& data, cpu::Strides3& stride) {
     const bool typed = t.scalar_type() == c10::CppTypeToScalarType<T>::value;
@@ -91,6 +91,10 @@ cpu::AttentionInputs<T> kernel_inputs(const at::Tensor& q, const at::Tensor& k, 
   in.d_k = q.size(3);
   in.d_v = v.size(3);
   set_mask_view(in, mask);
+  if (!mask_rows.extents.empty()) {
+    in.mask_rows = mask_rows.extents.data();
+    std::copy(mask_rows.stride, mask_rows.stride + 3, in.mask_rows_stride);
+  }
   in.scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(in.d_k)));
   in.dropout_p = dropout_p;
   in.is_causal = is_causal;
@@ -195,9 +199,11 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
   const auto q = operand(half_inputs.q, query, !half_output), k = operand(half_inputs.k, key, !half_output);
   const auto v = operand(half_inputs.v, value, !half_output);
   const auto mask_view = broadcast_mask(mask, query, key);
+  const auto mask_rows = cpu::mask_row_extents(mask_view);
   const auto* state = rng_state.const_data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES(acc, "fastmha_cpu_attention_forward", [&] {
-    auto in = kernel_inputs<scalar_t>(q, k, v, mask_view, dropout_p, is_causal, state[0], state[1], Pass::kForward);
+    auto in = kernel_inputs<scalar_t>(q, k, v, mask_view, mask_rows, dropout_p, is_causal, state[0], state[1],
+                                      Pass::kForward);
     cpu::AttentionForwardOutputs<scalar_t> out{half_output ? nullptr : output.data_ptr<scalar_t>(),
                                                need_weights && !half_output ? weights.data_ptr<scalar_t>() : nullptr,
                                                logsumexp.data_ptr<scalar_t>(), strides3(output)};
@@ -280,13 +286,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
   const auto lse = logsumexp.to(acc).contiguous();
   const auto out = use_output ? operand(output) : at::Tensor();
   const auto mask_view = broadcast_mask(mask, query, key);
+  const auto mask_rows = cpu::mask_row_extents(mask_view);
   const auto state = rng_state.to(at::kCPU).contiguous();
   const auto* seed_offset = state.const_data_ptr<int64_t>();
   const auto half_grad_out = half ? kernel_operand(grad_output, dtype) : at::Tensor();
   const auto kept = use_output && weights_serve ? weights->contiguous() : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES(acc, "fastmha_cpu_attention_backward", [&] {
-    auto in = kernel_inputs<scalar_t>(q, k, v, mask_view, dropout_p, is_causal, seed_offset[0], seed_offset[1],
-                                      Pass::kBackward);
+    auto in = kernel_inputs<scalar_t>(q, k, v, mask_view, mask_rows, dropout_p, is_causal, seed_offset[0],
+                                      seed_offset[1], Pass::kBackward);
     auto partial_gradients = [](const at::Tensor& t) {
       const auto split = t.select(0, 0);
       return cpu::PartialGradients<scalar_t>{t.data_ptr<scalar_t>(), strides3(split), t.stride(0)};

@@ -53,7 +53,8 @@ struct Head {
   const T* q;
   const T* k;
   const T* v;
-  const bool* mask;  // row 0 of this head's mask, or nullptr
+  const bool* mask;                      // row 0 of this head's mask, or nullptr
+  const RowExtent* mask_rows = nullptr;  // row 0 of its mask rows' extents (in.mask_rows), or nullptr
   // The same rows in the half type when the products run in it (in.half), otherwise nullptr.
   const uint16_t* half_q = nullptr;
   const uint16_t* half_k = nullptr;
@@ -74,6 +75,9 @@ Head<T> head_pointers(const AttentionInputs<T>& in, int64_t bh) {
   // them), nor in a forward whose products run in the half type.
   Head<T> head{head_row(in.q, in.q_stride, in.heads, bh, 0), head_row(in.k, in.k_stride, in.heads, bh, 0),
                head_row(in.v, in.v_stride, in.heads, bh, 0), mask};
+  if (in.mask_rows != nullptr) {
+    head.mask_rows = in.mask_rows + b * in.mask_rows_stride[0] + h * in.mask_rows_stride[1];
+  }
   if (const HalfOperands& half = in.half; half.q != nullptr) {
     head.half_q = head_row(half.q, half.q_stride, in.heads, bh, 0);
     head.half_k = head_row(half.k, half.k_stride, in.heads, bh, 0);
@@ -116,19 +120,24 @@ void rows_to_half(HalfKind kind, const T* src, int64_t ld, int64_t rows, int64_t
 
 // fp32 rows (rows x n, row stride ld) transposed and rounded to the half type: a left operand of n rows of `rows`
 // elements (half_gemm.h). Rows are rounded a band at a time with vector conversions, then the band is transposed
-// from that small buffer, so the strided reads stay in cache.
+// from that small buffer in tiles of kBand x kBand 16-bit elements (ATen's vector transpose: the same bits for
+// both half types), so the strided reads stay in cache.
 template <typename T>
 void transposed_to_half(HalfKind kind, const T* src, int64_t ld, int64_t rows, int64_t n, uint16_t* dst) {
   if constexpr (std::is_same_v<T, float>) {
-    constexpr int64_t kBand = 16;  // divides kMaxDepthPiece: a band's elements of one output row are contiguous
-    thread_local std::vector<uint16_t> band;
+    // Divides kMaxDepthPiece: a band's elements of one output row are contiguous, output rows kMaxDepthPiece apart.
+    constexpr int64_t kBand = 32;
+    thread_local std::vector<at::BFloat16> band;
     band.resize(static_cast<size_t>(kBand * n));
     for (int64_t r0 = 0; r0 < rows; r0 += kBand) {
       const int64_t height = std::min(kBand, rows - r0);
-      for (int64_t r = 0; r < height; ++r) round_to_half(kind, src + (r0 + r) * ld, band.data() + r * n, n);
-      for (int64_t j = 0; j < n; ++j) {
-        uint16_t* out = dst + left_index(j, r0, n);
-        for (int64_t r = 0; r < height; ++r) out[r] = band[r * n + j];
+      for (int64_t r = 0; r < height; ++r) {
+        round_to_half(kind, src + (r0 + r) * ld, reinterpret_cast<uint16_t*>(band.data() + r * n), n);
+      }
+      for (int64_t j0 = 0; j0 < n; j0 += kBand) {
+        at::vec::transpose_mxn<at::BFloat16>(
+            band.data() + j0, n, reinterpret_cast<at::BFloat16*>(dst + left_index(j0, r0, n)), kMaxDepthPiece,
+            static_cast<int>(height), static_cast<int>(std::min(kBand, n - j0)));
       }
     }
     zero_left_padding(n, rows, dst);
@@ -217,23 +226,17 @@ struct PackedHeadsStorage {
 // The keys of each head (b * heads + h) that its query chunks multiply: up to the last key that some row of its
 // mask shows (keys_up_to_last_visible), all keys without a mask or where a row shows none (then that row is
 // uniform over all keys). A chunk that needs keys beyond (to keep a NaN or an infinity of a hidden value) packs
-// those blocks itself. Heads that share a mask slice share one search.
+// those blocks itself.
 template <typename T>
 std::vector<int64_t> keys_to_pack(const AttentionInputs<T>& in) {
   const int64_t heads = in.batch * in.heads;
   std::vector<int64_t> keys(static_cast<size_t>(heads), in.len_k);
-  if (in.mask == nullptr || in.mask_stride[3] == 0) {
+  if (in.mask_rows == nullptr) {
     return keys;
   }
-  const bool shared = in.mask_stride[1] == 0;
-  at::parallel_for(0, shared ? in.batch : heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t slice = begin; slice < end; ++slice) {
-      const int64_t first_head = shared ? slice * in.heads : slice;
-      const int64_t n = keys_up_to_last_visible(head_pointers(in, first_head).mask, in.mask_stride[2],
-                                                in.mask_stride[3], in.len_q, in.len_k);
-      std::fill_n(keys.begin() + first_head, shared ? in.heads : 1, n);
-    }
-  });
+  for (int64_t bh = 0; bh < heads; ++bh) {
+    keys[bh] = keys_up_to_last_visible(head_pointers(in, bh).mask_rows, in.mask_rows_stride[2], in.len_q, in.len_k);
+  }
   return keys;
 }
 
@@ -531,13 +534,18 @@ KeySpan visible_span(const AttentionInputs<T>& in, const Head<T>& head, int64_t 
   const int64_t distinct_rows = in.mask_stride[2] == 0 ? 1 : rows;
   for (int64_t r = 0; r < distinct_rows; ++r) {
     const bool* row = head.mask + (row0 + r) * in.mask_stride[2];
-    const auto [first, last] = visible_range(row, col_stride, limit);
+    // From the rows' extents where found (with is_causal a row's last key before the limit is taken as visible:
+    // a wider span, and the edge test below then reads the mask), otherwise by a search of the row.
+    const RowExtent* extent =
+        head.mask_rows != nullptr ? head.mask_rows + (row0 + r) * in.mask_rows_stride[2] : nullptr;
+    const auto [first, last] = extent != nullptr ? std::pair{extent->first, std::min(extent->last, limit - 1)}
+                                                 : visible_range(row, col_stride, limit);
     if (first > last) {
       return {0, in.len_k, true, true};  // a row with no visible key: uniform over all keys
     }
     lo = std::min(lo, first);
     hi = std::max(hi, last + 1);
-    holes = holes || has_hidden_key(row, col_stride, first, last);
+    holes = holes || (extent != nullptr ? extent->holes : has_hidden_key(row, col_stride, first, last));
   }
   if (lo >= hi) {
     return {0, in.len_k, true};

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "ops/cpu/half_gemm.h"
+#include "ops/cpu/key_span.h"
 
 namespace fastmha::cpu {
 
@@ -48,6 +49,9 @@ struct AttentionInputs {
   int64_t batch, heads, len_q, len_k, d_k, d_v;
   const bool* mask;  // nullptr: no mask; true = attend, false = filled with -1e9
   int64_t mask_stride[4];
+  // Each distinct mask row's visible keys (MaskRowExtents), or nullptr: the kernels then search the rows themselves.
+  const RowExtent* mask_rows = nullptr;
+  int64_t mask_rows_stride[3] = {0, 0, 0};
   T scale;         // 1 / sqrt(d_k)
   bool is_causal;  // query i attends keys j <= i only (top-left), as if tril(ones(Lq, Lk)) were in the mask
   double dropout_p;

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -101,21 +102,43 @@ std::pair<int64_t, int64_t> visible_range(const bool* row, int64_t stride, int64
   return {first, first + last_visible(row + first * stride, stride, n - first)};
 }
 
-int64_t keys_up_to_last_visible(const bool* mask, int64_t row_stride, int64_t col_stride, int64_t rows, int64_t n) {
-  if (rows <= 0) {
-    return n;
+MaskRowExtents mask_row_extents(const at::Tensor& mask_view) {
+  MaskRowExtents result;
+  if (!mask_view.defined() || mask_view.numel() == 0 || mask_view.stride(3) == 0) {
+    return result;
   }
-  int64_t keys = 0;
-  for (int64_t r = (row_stride == 0 ? 1 : rows) - 1; r >= 0; --r) {
-    const bool* row = mask + r * row_stride;
-    const int64_t beyond = last_visible(row + keys * col_stride, col_stride, n - keys);
-    if (beyond >= 0) {
-      keys += 1 + beyond;
-    } else if (first_visible(row, col_stride, keys) == keys) {  // nothing beyond, nor before: no visible key
-      return n;
+  TORCH_INTERNAL_ASSERT(mask_view.scalar_type() == at::kBool && mask_view.dim() == 4);
+  int64_t sizes[3];
+  for (int i = 0; i < 3; ++i) sizes[i] = mask_view.stride(i) == 0 ? 1 : mask_view.size(i);
+  result.stride[2] = sizes[2] == 1 ? 0 : 1;
+  result.stride[1] = sizes[1] == 1 ? 0 : sizes[2];
+  result.stride[0] = sizes[0] == 1 ? 0 : sizes[1] * sizes[2];
+  const int64_t len_k = mask_view.size(3), col_stride = mask_view.stride(3);
+  result.extents.resize(static_cast<size_t>(sizes[0] * sizes[1] * sizes[2]));
+  const bool* data = mask_view.const_data_ptr<bool>();
+  const int64_t rows = static_cast<int64_t>(result.extents.size());
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t q = i % sizes[2], h = i / sizes[2] % sizes[1], b = i / (sizes[1] * sizes[2]);
+      const bool* row = data + b * mask_view.stride(0) + h * mask_view.stride(1) + q * mask_view.stride(2);
+      const auto [first, last] = visible_range(row, col_stride, len_k);
+      result.extents[static_cast<size_t>(i)] = {first, last,
+                                                first < last && has_hidden_key(row, col_stride, first, last)};
     }
+  });
+  return result;
+}
+
+int64_t keys_up_to_last_visible(const RowExtent* extents, int64_t row_stride, int64_t rows, int64_t n) {
+  int64_t keys = 0;
+  for (int64_t r = 0; r < (row_stride == 0 ? std::min<int64_t>(rows, 1) : rows); ++r) {
+    const RowExtent& row = extents[r * row_stride];
+    if (row.first > row.last) {
+      return n;  // a row without a visible key is uniform over all keys
+    }
+    keys = std::max(keys, row.last + 1);
   }
-  return keys;
+  return rows == 0 ? n : keys;
 }
 
 bool has_hidden_key(const bool* row, int64_t stride, int64_t first, int64_t last) {

@@ -9,16 +9,33 @@
 
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 namespace fastmha::cpu {
 
 // The first and last true entry among row[0], row[stride], ... (n entries), or {n, -1} when there is none.
 std::pair<int64_t, int64_t> visible_range(const bool* row, int64_t stride, int64_t n);
 
-// The number of keys up to the last one that any of `rows` mask rows shows (row r at mask + r * row_stride, its n
-// keys col_stride apart; a row stride of 0 means one row), or n when some row shows none. Rows are taken from the
-// last one, which shows the most under a causal mask, and each is searched only beyond the last key found so far.
-int64_t keys_up_to_last_visible(const bool* mask, int64_t row_stride, int64_t col_stride, int64_t rows, int64_t n);
+// The keys one mask row shows: its first and last visible key (first > last: none) and whether it hides a key
+// between them.
+struct RowExtent {
+  int64_t first, last;
+  bool holes;
+};
+
+// The RowExtent of each distinct row of a bool mask view of shape (B, H, Lq, Lk) (broadcast dimensions, of stride 0,
+// are read once): row (b, h, q) at extents[b * stride[0] + h * stride[1] + q * stride[2]]. Found once per call, in
+// parallel, for the kernels' chunks, which would otherwise each search their rows again for every head that
+// shares them. Empty without a mask and for one that does not vary over the keys (Lk stride 0).
+struct MaskRowExtents {
+  std::vector<RowExtent> extents;
+  int64_t stride[3] = {0, 0, 0};
+};
+MaskRowExtents mask_row_extents(const at::Tensor& mask_view);
+
+// The number of keys up to the last one that any of `rows` mask rows shows (row r at extents[r * row_stride]; a
+// row stride of 0 means one row), or n when some row shows none.
+int64_t keys_up_to_last_visible(const RowExtent* extents, int64_t row_stride, int64_t rows, int64_t n);
 
 // Whether some entry of the row strictly between `first` and `last` is false.
 bool has_hidden_key(const bool* row, int64_t stride, int64_t first, int64_t last);
