@@ -356,9 +356,10 @@ KernelChoice choose_kernel(const AttentionCall& call) {
     // Only `auto` on a CPU with native products, with enough query rows, reads the mask's sample for the keys.
     const auto half_products = [&] {
       const int64_t len_k = call.key.size(2);
-      return cpu::choose_half_products(dtype, half_mode, call.pass == Pass::kForward, call.query.size(2), [&] {
-        return static_cast<int64_t>(std::llround(static_cast<double>(len_k) * key_share.get()));
-      });
+      const bool forward = call.pass == Pass::kForward;
+      return cpu::choose_half_products(
+          dtype, half_mode, forward, forward && !call.need_weights, call.query.size(2),
+          [&] { return static_cast<int64_t>(std::llround(static_cast<double>(len_k) * key_share.get())); });
     };
     auto choice = choose_cpu(call, key_share, float_on_brgemm, [&] {
       const auto products = half_products();

@@ -29,6 +29,21 @@ def assert_close(actual, expected, dtype):
     torch.testing.assert_close(actual.double(), expected.double(), **TOLERANCES[dtype])
 
 
+def cpu_flags():
+    """The CPU's feature flags from /proc/cpuinfo (empty off x86)."""
+    with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+        text = cpuinfo.read()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "flags:")
+    return set(line.split(":", 1)[1].split())
+
+
+def torch_on_tiles():
+    """Whether torch's CPU kernels (and oneDNN's products) multiply each dtype on AMX tiles on this CPU."""
+    flags = cpu_flags()
+    return {torch.bfloat16: "amx_bf16" in flags, torch.float16: "amx_fp16" in flags,
+            torch.float32: False, torch.float64: False}
+
+
 def assert_attention_close(got, want, dtype, need_weights):
     """(output, weights, input gradients) of a call against the oracle's; kept weights are exactly zero where the
     oracle's are (keys the kernels skipped are written as zeros, as the math gives)."""

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_close
+from conftest import assert_close, cpu_flags
 from layouts import RELAYOUTS, relaid
 from oracle import oracle_attention
 
@@ -27,13 +27,6 @@ def brgemm_runs_here():
     """Whether FASTMHA_CPU_FLOAT_GEMM=brgemm puts the products on brgemm on this machine: x86-64 with AVX2, oneDNN
     in torch."""
     return "avx2" in cpu_flags() and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
-
-
-def cpu_flags():
-    with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-        text = cpuinfo.read()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "flags:")  # none off x86
-    return set(line.split(":", 1)[1].split())
 
 
 def amd_with_avx512():

@@ -8,7 +8,7 @@ A forward and its backward may run on different kernels (the saved log-sum-exp m
 
 import pytest
 import torch
-from conftest import assert_close
+from conftest import assert_close, torch_on_tiles
 from layouts import RELAYOUTS, relaid
 from oracle import oracle_attention
 from torch.autograd import gradcheck
@@ -41,11 +41,6 @@ def kernel_of(*args, **kwargs):
     return chosen["forward"][0]
 
 
-def cpu_flags():
-    with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-        return next(set(line.split(":")[1].split()) for line in cpuinfo if line.startswith("flags"))
-
-
 # ---- the choice itself ----
 
 
@@ -73,13 +68,6 @@ def test_backward_with_dropout_says_when_it_reads_the_kept_weights():
     # Without dropout float64 reads them too.
     q, k, v = qkv(dtype=torch.float64)
     assert "softmax from them" in choices(q, k, v, need_weights=True)["backward"][1]
-
-
-def torch_on_tiles():
-    """Whether torch's CPU flash kernels multiply each dtype on AMX tiles on this CPU (as the choice sees it)."""
-    flags = cpu_flags()
-    return {torch.bfloat16: "amx_bf16" in flags, torch.float16: "amx_fp16" in flags,
-            torch.float32: False, torch.float64: False}
 
 
 def test_forward_without_weights_runs_fastmhas_kernel_up_to_512_keys_and_torchs_beyond():

@@ -809,13 +809,6 @@ struct OnlineBuffers {
   std::vector<uint32_t> words;
 };
 
-// Whether a block of a chunk whose products run in the half type takes fold_half_block: no key of the block that a
-// row may not see (no mask to read, no causal cut), so the raw products need no -1e9 written into them.
-template <typename T>
-bool unmasked_half_block(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, const KeySpan& block) {
-  return std::is_same_v<T, float> && !block.masked && !(in.is_causal && block.hi > row0 + 1);
-}
-
 // Row stride of the online forward's score buffer: the key block rounded up to a power of two of at least kPanel
 // (its half-type products write whole panels, and ATen keeps a kernel for every row stride, so the strides come
 // in a few classes whatever the lengths), plus a panel that keeps it off powers of two, whose rows share cache sets
@@ -826,15 +819,33 @@ inline int64_t online_scores_ld(int64_t key_block) {
   return ld + kPanel;
 }
 
-// One block of online_chunk that unmasked_half_block admits: the kernels write the raw products Q K^T in place
+// Scores of one row of a block from its raw products s (n keys, the first `lo`): s <- scale * s, then -1e9 where
+// the row's mask hides the key (mask_row: the row's entry for key lo, col_stride apart; nullptr: no mask) and from
+// key `cut` on (its causal limit; n or more: none). A plain loop the compiler vectorizes.
+inline void masked_scaled_row(float* s, int64_t n, float scale, const bool* mask_row, int64_t col_stride, int64_t cut) {
+  constexpr float kMasked = static_cast<float>(kMaskedScore);
+  if (mask_row == nullptr) {
+    for (int64_t j = 0; j < n; ++j) s[j] *= scale;
+  } else if (col_stride == 1) {
+    for (int64_t j = 0; j < n; ++j) s[j] = mask_row[j] ? s[j] * scale : kMasked;
+  } else {
+    for (int64_t j = 0; j < n; ++j) s[j] = mask_row[j * col_stride] ? s[j] * scale : kMasked;
+  }
+  if (cut < n) {
+    std::fill(s + std::max<int64_t>(cut, 0), s + n, kMasked);
+  }
+}
+
+// One block of online_chunk whose products run in the half type: the kernels write the raw products Q K^T in place
 // (q_left: the chunk's query rows as a left operand), one pass per row folds them into the running max and sum and
 // leaves the weights in the half type as the left operand of P V, whose products are added to the output rows
-// (after rescaling them when a row's max grew). Returns as online_chunk's block would: the same numbers up to
-// rounding (the scale and the max may fuse into one instruction), fewer passes over the scores.
+// (after rescaling them when a row's max grew). A block that a row may not see all of (a mask to read, a causal
+// cut) first gets its scores scaled and masked in place, row by row. Returns as online_chunk's block would: the
+// same numbers up to rounding (the scale and the max may fuse into one instruction), fewer passes over the scores.
 template <typename T>
-void fold_half_block(const AttentionInputs<T>& in, const Head<T>& head, const uint16_t* q_left, int64_t rows,
-                     int64_t first_row, const KeySpan& block, OnlineBuffers<T>& buf, T* out_rows, int64_t out_ld,
-                     bool computed) {
+void fold_half_block(const AttentionInputs<T>& in, const Head<T>& head, const uint16_t* q_left, int64_t row0,
+                     int64_t rows, int64_t first_row, const KeySpan& block, OnlineBuffers<T>& buf, T* out_rows,
+                     int64_t out_ld, bool computed) {
   if constexpr (std::is_same_v<T, float>) {
     const HalfOperands& half = in.half;
     HalfScratch& scratch = half_scratch();
@@ -848,17 +859,29 @@ void fold_half_block(const AttentionInputs<T>& in, const Head<T>& head, const ui
     }
     const int64_t depth = padded_depth(n);
     scratch.left.resize(left_size(rows, depth));
+    const bool cut = in.is_causal && block.hi > row0 + 1;  // some row's causal limit falls inside the block
     for (int64_t r = 0; r < rows; ++r) {
-      const float* s = buf.scores.data() + r * ld;
+      float* s = buf.scores.data() + r * ld;
       const float* keep = in.dropout_p > 0 ? buf.keep.data() + r * n : nullptr;
       uint16_t* left = scratch.left.data();
-      // The raw products' max times the scale is the scaled scores' max (the scale is positive).
+      // Unmasked rows keep their raw products: their max times the scale is the scaled scores' max (the scale is
+      // positive), and the exp pass scales them.
+      float scale = in.scale, block_max = 0.0f;
+      if (block.masked || cut) {
+        const bool* mask_row =
+            block.masked ? head.mask + (row0 + r) * in.mask_stride[2] + block.lo * in.mask_stride[3] : nullptr;
+        masked_scaled_row(s, n, in.scale, mask_row, in.mask_stride[3], cut ? row0 + r + 1 - block.lo : n);
+        scale = 1.0f;
+        block_max = row_max(s, n);
+      } else {
+        block_max = row_max(s, n) * in.scale;
+      }
       const float rescale = fold_into_row(
-          row_max(s, n) * in.scale, buf.max[r], buf.sum[r],
+          block_max, buf.max[r], buf.sum[r],
           [&](float now, bool fast) {
             return half.kind == HalfKind::kBFloat16
-                       ? exp_to_half_row<at::BFloat16>(s, n, in.scale, now, fast, keep, left, r, rows)
-                       : exp_to_half_row<at::Half>(s, n, in.scale, now, fast, keep, left, r, rows);
+                       ? exp_to_half_row<at::BFloat16>(s, n, scale, now, fast, keep, left, r, rows)
+                       : exp_to_half_row<at::Half>(s, n, scale, now, fast, keep, left, r, rows);
           },
           [&] {
             for (int64_t k0 = 0; k0 < n; k0 += kMaxDepthPiece) {
@@ -891,7 +914,7 @@ bool online_chunk(const AttentionInputs<T>& in, const Head<T>& head, int64_t row
   std::fill(buf.max.begin(), buf.max.begin() + rows, kNegInf);
   std::fill(buf.sum.begin(), buf.sum.begin() + rows, T(0));
   bool skipped = span.size() < in.len_k, computed = false;
-  // The chunk's query rows as the left operand of the half-type products of its unmasked blocks, padded once.
+  // The chunk's query rows as the left operand of its blocks' half-type products, padded once.
   const uint16_t* q_left = nullptr;
   if (head.half_q != nullptr) {
     std::vector<uint16_t>& chunk_q = half_scratch().chunk_q;
@@ -907,8 +930,8 @@ bool online_chunk(const AttentionInputs<T>& in, const Head<T>& head, int64_t row
     }
     from = block.hi;
     const int64_t n = block.size();
-    if (q_left != nullptr && unmasked_half_block(in, head, row0, block)) {
-      fold_half_block(in, head, q_left, rows, first_row, block, buf, out_rows, out_ld, computed);
+    if (q_left != nullptr) {
+      fold_half_block(in, head, q_left, row0, rows, first_row, block, buf, out_rows, out_ld, computed);
       computed = true;
       continue;
     }

@@ -90,7 +90,7 @@ bool native_half_products(at::ScalarType dtype) {
   return false;
 }
 
-HalfProducts choose_half_products(at::ScalarType dtype, HalfGemmMode mode, bool forward, int64_t rows,
+HalfProducts choose_half_products(at::ScalarType dtype, HalfGemmMode mode, bool forward, bool online, int64_t rows,
                                   const std::function<int64_t()>& keys) {
   if (dtype != at::kBFloat16 && dtype != at::kHalf) {
     return {};
@@ -117,7 +117,7 @@ HalfProducts choose_half_products(at::ScalarType dtype, HalfGemmMode mode, bool 
         return widened(": fewer than " + std::to_string(kNativeFromRows) +
                        " query rows, where native products pay less than widening");
       }
-      if (keys() < kNativeFromKeys) {
+      if (!(online && at::native::cpublas::could_pack(dtype)) && keys() < kNativeFromKeys) {
         return widened(": fewer than " + std::to_string(kNativeFromKeys) +
                        " keys a row multiplies, where native products pay less than widening");
       }
