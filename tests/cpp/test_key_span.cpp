@@ -230,4 +230,7 @@ TEST_CASE("each mask row's visible keys and the keys up to the last one any row 
   check_extents((padding & (torch::rand({3, 4, 6, 50}) < 0.5)).transpose(2, 3).contiguous().transpose(2, 3));
   CHECK(mask_row_extents(padding.narrow(3, 0, 1).expand({3, 4, 6, 50})).extents.empty());  // no key stride
   CHECK(mask_row_extents(at::Tensor()).extents.empty());
+  check_extents(torch::rand({2, 3, 1, 50}) < 0.3);  // one query row of its own per head
+  CHECK(mask_row_extents(torch::ones({2, 1, 0, 5}, torch::kBool)).extents.empty());  // no query
+  CHECK(mask_row_extents(torch::ones({2, 1, 3, 0}, torch::kBool)).extents.empty());  // no key
 }

@@ -269,6 +269,34 @@ def test_is_causal_mixes_blocks_with_and_without_the_cut(half_products, monkeypa
     assert_attention_close((out, None, got), (ref_out, ref_weights, want), dtype, False)
 
 
+def late_keys_mask(lq, lk):
+    """Padding that hides each sequence's first 40 keys as well: the first rows see no key below their causal limit
+    (uniform over all keys), later ones a run that starts past some rows' limits; one row also shows the last key."""
+    mask = padding([150, 30], lk=lk).expand(B, 1, lq, lk).clone()
+    mask[..., :40] = False
+    mask[0, 0, 70, lk - 1] = True
+    return mask
+
+
+@pytest.mark.parametrize("mask_kind", ["padding", "late keys"])
+@pytest.mark.parametrize("block", ["16", "64", ""], ids=["block=16", "block=64", "block=auto"])
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+def test_is_causal_with_a_mask_matches_the_oracle(half_products, monkeypatch, mask_kind, block, dtype):
+    # is_causal and a mask together: blocks that both read the mask and take the causal cut, and rows whose
+    # visible keys lie beyond the causal limit of some rows of their chunk.
+    monkeypatch.setenv("FASTMHA_CPU_KEY_BLOCK", block)
+    lq = lk = 200
+    q, k, v, grad = half_inputs(dtype, lq=lq, lk=lk)
+    mask = padding([150, 30], lk=lk) if mask_kind == "padding" else late_keys_mask(lq, lk)
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    out, _ = torch.ops.fastmha.attention(*inputs, mask, 0.0, False, True)
+    got = torch.autograd.grad(out, inputs, grad)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_weights = oracle_attention(*ref, mask & torch.ones(lq, lk, dtype=torch.bool).tril(), None, 0.0)
+    want = torch.autograd.grad(ref_out, ref, grad.double())
+    assert_attention_close((out, None, got), (ref_out, ref_weights, want), dtype, False)
+
+
 @pytest.mark.parametrize("lengths", [[0, 150], [1, 64], [65, 129]], ids=["no key, all", "1, 64", "65, 129"])
 @pytest.mark.parametrize("causal", [False, True], ids=["padding", "padding and causal"])
 @pytest.mark.parametrize("block", ["16", "64", ""], ids=["block=16", "block=64", "block=auto"])

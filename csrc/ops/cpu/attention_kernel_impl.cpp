@@ -234,9 +234,16 @@ std::vector<int64_t> keys_to_pack(const AttentionInputs<T>& in) {
   if (in.mask_rows == nullptr) {
     return keys;
   }
-  for (int64_t bh = 0; bh < heads; ++bh) {
-    keys[bh] = keys_up_to_last_visible(head_pointers(in, bh).mask_rows, in.mask_rows_stride[2], in.len_q, in.len_k);
-  }
+  // Heads that share a mask slice (a head stride of 0) share one pass over its rows' extents.
+  const bool shared = in.mask_rows_stride[1] == 0;
+  at::parallel_for(0, shared ? in.batch : heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t slice = begin; slice < end; ++slice) {
+      const int64_t first_head = shared ? slice * in.heads : slice;
+      const int64_t n =
+          keys_up_to_last_visible(head_pointers(in, first_head).mask_rows, in.mask_rows_stride[2], in.len_q, in.len_k);
+      std::fill_n(keys.begin() + first_head, shared ? in.heads : 1, n);
+    }
+  });
   return keys;
 }
 
@@ -552,12 +559,15 @@ KeySpan visible_span(const AttentionInputs<T>& in, const Head<T>& head, int64_t 
   const int64_t distinct_rows = in.mask_stride[2] == 0 ? 1 : rows;
   for (int64_t r = 0; r < distinct_rows; ++r) {
     const bool* row = head.mask + (row0 + r) * in.mask_stride[2];
-    // From the rows' extents where found (with is_causal a row's last key before the limit is taken as visible:
-    // a wider span, and the edge test below then reads the mask), otherwise by a search of the row.
+    // From the row's extent where found and within the limit; otherwise (with is_causal, a row that shows keys
+    // beyond the chunk's limit) by a search of the row up to the limit.
     const RowExtent* extent =
         head.mask_rows != nullptr ? head.mask_rows + (row0 + r) * in.mask_rows_stride[2] : nullptr;
-    const auto [first, last] = extent != nullptr ? std::pair{extent->first, std::min(extent->last, limit - 1)}
-                                                 : visible_range(row, col_stride, limit);
+    if (extent != nullptr && extent->last >= limit) {
+      extent = nullptr;
+    }
+    const auto [first, last] =
+        extent != nullptr ? std::pair{extent->first, extent->last} : visible_range(row, col_stride, limit);
     if (first > last) {
       return {0, in.len_k, true, true};  // a row with no visible key: uniform over all keys
     }

@@ -25,7 +25,9 @@ enum class HalfKind : uint8_t { kBFloat16, kFloat16 };
 // Whether n half-type values (their bits) are all finite: a value is not when all its exponent bits are set. One
 // pass with no widened copy, as a max that the compiler vectorizes: a value's exponent bits, as a number, reach the
 // all-ones pattern only when they are all set.
-inline bool all_finite_bits(HalfKind kind, const uint16_t* bits, int64_t n) {
+// Internal linkage: this header is also compiled with each CPU capability's vector flags, and the linker must not
+// hand a baseline caller a copy built for AVX-512.
+static inline bool all_finite_bits(HalfKind kind, const uint16_t* bits, int64_t n) {
   const uint16_t exponent = kind == HalfKind::kBFloat16 ? 0x7F80 : 0x7C00;
   uint16_t highest = 0;
   for (int64_t i = 0; i < n; ++i) highest = std::max<uint16_t>(highest, bits[i] & exponent);
@@ -33,7 +35,8 @@ inline bool all_finite_bits(HalfKind kind, const uint16_t* bits, int64_t n) {
 }
 
 // How calls in a half type multiply (FASTMHA_CPU_HALF_GEMM): `auto` (default) as `native` from kNativeFromRows
-// query rows per head, each multiplying kNativeFromKeys keys or more (those a mask leaves), and as `widen` below;
+// query rows per head, each multiplying kNativeFromKeys keys or more (those a mask leaves; any count in a forward
+// without kept weights where the products run on AMX tiles: choose_half_products), and as `widen` below;
 // `widen` converts the operands to fp32 for MKL's sgemm; `native` multiplies in the half type where this CPU has the
 // instructions for it (elsewhere as widen); `reference` takes the half-type path through ATen's reference GEMM on any
 // CPU (for tests).
