@@ -334,34 +334,29 @@ void apply_values(const AttentionInputs<T>& in, const Head<T>& head, const T* p,
   }
 }
 
-// s[j] <- scale * s[j] where a mask row of unit stride shows key j, -1e9 where it hides it: 16 keys a step on
-// AVX-512 (the row's bytes tested into a lane mask), a plain loop elsewhere and for the last keys.
+// s[j] <- scale * s[j] where the mask row (its keys col_stride apart) shows key j, -1e9 where it hides it: 16 keys a
+// step on AVX-512 for a row of unit stride (its bytes tested into a lane mask), a plain loop otherwise.
 template <typename T>
-void masked_scaled_unit_stride(T* s, int64_t n, T scale, const bool* mask_row) {
+void masked_scaled(T* s, int64_t n, T scale, const bool* mask_row, int64_t col_stride) {
   int64_t j = 0;
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<T, float>) {
     const __m512 scale_vec = _mm512_set1_ps(scale), masked = _mm512_set1_ps(static_cast<float>(kMaskedScore));
-    for (; j + 16 <= n; j += 16) {
+    for (; col_stride == 1 && j + 16 <= n; j += 16) {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(mask_row + j));
       const __mmask16 seen = _mm_test_epi8_mask(bytes, bytes);
       _mm512_storeu_ps(s + j, _mm512_mask_mul_ps(masked, seen, _mm512_loadu_ps(s + j), scale_vec));
     }
   }
 #endif
-  for (; j < n; ++j) s[j] = mask_row[j] ? s[j] * scale : T(kMaskedScore);
+  for (; j < n; ++j) s[j] = mask_row[j * col_stride] ? s[j] * scale : T(kMaskedScore);
 }
 
 // Writes -1e9 where the mask row is false (the mask is read through its broadcast strides).
 template <typename T>
 void apply_mask(T* s, int64_t n, const bool* mask_row, int64_t col_stride) {
-  if (mask_row == nullptr) {
-    return;
-  }
-  if (col_stride == 1) {
-    masked_scaled_unit_stride(s, n, T(1), mask_row);
-  } else {
-    for (int64_t j = 0; j < n; ++j) s[j] = mask_row[j * col_stride] ? s[j] : T(kMaskedScore);
+  if (mask_row != nullptr) {
+    masked_scaled(s, n, T(1), mask_row, col_stride);
   }
 }
 
@@ -851,16 +846,13 @@ inline int64_t online_scores_ld(int64_t key_block) {
 // the row's mask hides the key (mask_row: the row's entry for key lo, col_stride apart; nullptr: no mask) and from
 // key `cut` on (its causal limit; n or more: none).
 inline void masked_scaled_row(float* s, int64_t n, float scale, const bool* mask_row, int64_t col_stride, int64_t cut) {
-  constexpr float kMasked = static_cast<float>(kMaskedScore);
   if (mask_row == nullptr) {
     for (int64_t j = 0; j < n; ++j) s[j] *= scale;
-  } else if (col_stride == 1) {
-    masked_scaled_unit_stride(s, n, scale, mask_row);
   } else {
-    for (int64_t j = 0; j < n; ++j) s[j] = mask_row[j * col_stride] ? s[j] * scale : kMasked;
+    masked_scaled(s, n, scale, mask_row, col_stride);
   }
   if (cut < n) {
-    std::fill(s + std::max<int64_t>(cut, 0), s + n, kMasked);
+    std::fill(s + std::max<int64_t>(cut, 0), s + n, static_cast<float>(kMaskedScore));
   }
 }
 
