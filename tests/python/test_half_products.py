@@ -171,6 +171,19 @@ def test_nan_value_at_a_hidden_key_propagates_like_the_math(half_products, monke
     assert_close(out.nan_to_num(), ref_out.nan_to_num(), dtype)
 
 
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+def test_nan_in_a_query_row_reaches_the_gradients_like_the_math(half_products, dtype):
+    # The backward reads the query rows in the half type for its skips. A NaN query row makes its output and dQ
+    # rows NaN, and the dK and dV rows of its head, the padded keys' dK too (zero score gradients times NaN).
+    q, k, v, grad = half_inputs(dtype)
+    q[1, 0, 7, 3] = float("nan")
+    (out, _, got), (ref_out, _, want) = run_and_oracle(q, k, v, padding([100, 60]), False, grad)
+    assert want[1][1, 0, 140].isnan().any()
+    for a, b in zip((out, *got), (ref_out, *want)):
+        assert torch.equal(a.isnan(), b.isnan())
+        assert_close(a.nan_to_num(), b.nan_to_num(), dtype)
+
+
 @pytest.mark.parametrize("need_weights", [False, True], ids=["blocked", "kept weights"])
 @pytest.mark.parametrize("dtype", HALF_TYPES)
 def test_infinite_value_after_a_short_block_stays_infinite(half_products, monkeypatch, need_weights, dtype):
@@ -204,14 +217,18 @@ def test_native_without_the_instructions_widens(monkeypatch, dtype):
 @pytest.mark.parametrize("dtype", HALF_TYPES)
 def test_auto_multiplies_natively_from_256_rows_and_keys_a_row_computes(monkeypatch, dtype):
     # The default: native products where the CPU has them once a head has 256 query rows or more and they
-    # multiply 256 keys or more (the keys a padding mask leaves), widened below (and on every other CPU). A forward
-    # without kept weights multiplies natively at any key count where the products run on AMX tiles.
+    # multiply 256 keys or more (the keys a padding mask leaves), widened below (and on every other CPU). Where the
+    # products run on AMX tiles, a forward without kept weights multiplies natively at any key count and a
+    # backward from 96 keys.
     native = native_products(dtype)
-    few_keys_forward = "native" if torch_on_tiles()[dtype] else "widen"
+    tiles = torch_on_tiles()[dtype]
+    few_keys_forward = "native" if tiles else "widen"
+    few_keys_backward = "native" if tiles else "widen"
+    fewest_backward_keys = 96 if tiles else 256
     monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
-    cases = ((256, 255, None, few_keys_forward, "widen", "keys"), (256, 256, None, "native", "native", ""),
-             (255, 600, None, "widen", "widen", "rows"), (256, 600, 100, few_keys_forward, "widen", "keys"),
-             (256, 600, 400, "native", "native", ""))
+    cases = ((256, 255, None, few_keys_forward, few_keys_backward, "keys"), (256, 256, None, "native", "native", ""),
+             (255, 600, None, "widen", "widen", "rows"), (256, 600, 100, few_keys_forward, few_keys_backward, "keys"),
+             (256, 600, 95, few_keys_forward, "widen", "keys"), (256, 600, 400, "native", "native", ""))
     for lq, lk, visible, forward, backward, fewer in cases:
         forward, backward = (forward, backward) if native else ("widen", "widen")
         q, k, v, grad = half_inputs(dtype, lq=lq, lk=lk)
@@ -223,8 +240,9 @@ def test_auto_multiplies_natively_from_256_rows_and_keys_a_row_computes(monkeypa
             if not native:
                 assert "this CPU has no native" in note
             elif expected == "widen":
-                why = {"keys": "fewer than 256 keys a row multiplies", "rows": "fewer than 256 query rows"}[fewer]
-                assert why in note
+                fewest_keys = 256 if note.startswith("forward") else fewest_backward_keys
+                why = {"keys": f"fewer than {fewest_keys} keys a row multiplies", "rows": "fewer than 256 query rows"}
+                assert why[fewer] in note
         got = run_and_oracle(q, k, v, mask, False, grad)[0]
         monkeypatch.setenv("FASTMHA_CPU_HALF_GEMM", forward)
         forced = run_and_oracle(q, k, v, mask, False, grad)[0]

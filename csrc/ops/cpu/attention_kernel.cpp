@@ -269,19 +269,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
   // products widened, its tasks widen q/k/v, dO and O and round their dQ rows (ops/cpu/widened_rows.h).
   const bool half = use_output && choice.half_products;
   const bool widen_in_tasks = use_output && dtype != acc && !half;
-  auto grad_q = empty_output({batch, heads, len_q, d_k}, query, widen_in_tasks ? query.options() : acc_options);
-  // One split: the tasks write dK and dV themselves. More: partial sums (splits, B, H, Lk, d), added up below.
+  // Half types with the output at hand: q/k/v, dO and O stay in the half type (the products read them so, or the
+  // tasks widen them), the tasks widen dO and O a chunk at a time and round their dQ rows into the gradient, rather
+  // than whole fp32 copies going through memory.
+  const bool half_rows = half || widen_in_tasks;
+  auto grad_q = empty_output({batch, heads, len_q, d_k}, query, half_rows ? query.options() : acc_options);
+  // One split: the tasks write dK and dV themselves (in a half type: summed in their own fp32 rows, rounded into
+  // these). More: partial sums (splits, B, H, Lk, d), added up below.
+  const bool own_key_rows = half_rows && splits == 1;
   auto partial = [&](const at::Tensor& input, int64_t d) {
+    if (own_key_rows) {
+      return empty_output({batch, heads, len_k, d}, input, input.options().dtype(dtype)).unsqueeze(0);
+    }
     return splits == 1 ? empty_output({batch, heads, len_k, d}, input, acc_options).unsqueeze(0)
                        : cpu::empty_large({splits, batch, heads, len_k, d}, acc_options);
   };
   auto grad_k_partial = partial(key, d_k), grad_v_partial = partial(value, d_v);
-  const HalfInputs half_inputs(query, key, value, half || widen_in_tasks);
-  // The operands in the accumulation type, or in the half type for the tasks to widen.
-  const auto operand = [&](const at::Tensor& x) { return kernel_operand(x, widen_in_tasks ? dtype : acc); };
-  const auto q = widen_in_tasks ? half_inputs.q : kernel_operand(query, acc);
-  const auto k = widen_in_tasks ? half_inputs.k : kernel_operand(key, acc);
-  const auto v = widen_in_tasks ? half_inputs.v : kernel_operand(value, acc);
+  const HalfInputs half_inputs(query, key, value, half_rows);
+  // The operands in the accumulation type, or in the half type for the products or the tasks' widening.
+  const auto operand = [&](const at::Tensor& x) { return kernel_operand(x, half_rows ? dtype : acc); };
+  const auto q = half_rows ? half_inputs.q : kernel_operand(query, acc);
+  const auto k = half_rows ? half_inputs.k : kernel_operand(key, acc);
+  const auto v = half_rows ? half_inputs.v : kernel_operand(value, acc);
   const auto grad_out = operand(grad_output);
   const auto grad_w = has_grad_weights ? grad_weights->to(acc).contiguous() : at::Tensor();
   const auto lse = logsumexp.to(acc).contiguous();
@@ -290,38 +299,48 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
   const auto mask_rows = cpu::mask_row_extents(mask_view);
   const auto state = rng_state.to(at::kCPU).contiguous();
   const auto* seed_offset = state.const_data_ptr<int64_t>();
-  const auto half_grad_out = half ? kernel_operand(grad_output, dtype) : at::Tensor();
   const auto kept = use_output && weights_serve ? weights->contiguous() : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES(acc, "fastmha_cpu_attention_backward", [&] {
     auto in = kernel_inputs<scalar_t>(q, k, v, mask_view, mask_rows, dropout_p, is_causal, seed_offset[0],
                                       seed_offset[1], Pass::kBackward);
-    auto partial_gradients = [](const at::Tensor& t) {
+    auto partial_gradients = [&](const at::Tensor& t, int64_t d) {
+      if (own_key_rows) {  // the tasks' own rows, of row stride d
+        return cpu::PartialGradients<scalar_t>{nullptr, cpu::Strides3{0, 0, d}, 0};
+      }
       const auto split = t.select(0, 0);
       return cpu::PartialGradients<scalar_t>{t.data_ptr<scalar_t>(), strides3(split), t.stride(0)};
     };
-    const auto typed = [&](const at::Tensor& t) { return widen_in_tasks ? nullptr : t.const_data_ptr<scalar_t>(); };
+    const auto typed = [&](const at::Tensor& t) { return half_rows ? nullptr : t.const_data_ptr<scalar_t>(); };
     cpu::AttentionBackwardTensors<scalar_t> grads{typed(grad_out),
                                                   has_grad_weights ? grad_w.const_data_ptr<scalar_t>() : nullptr,
                                                   lse.const_data_ptr<scalar_t>(),
                                                   use_output ? typed(out) : nullptr,
-                                                  widen_in_tasks ? nullptr : grad_q.data_ptr<scalar_t>(),
-                                                  partial_gradients(grad_k_partial),
-                                                  partial_gradients(grad_v_partial),
+                                                  half_rows ? nullptr : grad_q.data_ptr<scalar_t>(),
+                                                  partial_gradients(grad_k_partial, d_k),
+                                                  partial_gradients(grad_v_partial, d_v),
                                                   splits,
                                                   strides3(grad_out),
                                                   use_output ? strides3(out) : cpu::Strides3{},
                                                   strides3(grad_q)};
     grads.weights = kept.defined() ? kept.const_data_ptr<scalar_t>() : nullptr;
-    if (half) {
-      in.half = half_inputs.view(choice.half_products_vnni);
-      grads.half_grad_out = static_cast<const uint16_t*>(half_grad_out.const_data_ptr());
-      grads.half_grad_out_stride = strides3(half_grad_out);
-    } else if (widen_in_tasks) {
+    if (half_rows) {
       in.half_source = half_inputs.view(false);
-      in.widen_in_tasks = true;
       grads.source_grad_out = static_cast<const uint16_t*>(grad_out.const_data_ptr());
       grads.source_out = static_cast<const uint16_t*>(out.const_data_ptr());
       grads.half_grad_q = static_cast<uint16_t*>(grad_q.data_ptr());
+    }
+    if (own_key_rows) {
+      grads.half_grad_k = static_cast<uint16_t*>(grad_k_partial.data_ptr());
+      grads.half_grad_v = static_cast<uint16_t*>(grad_v_partial.data_ptr());
+      grads.half_grad_k_stride = strides3(grad_k_partial.select(0, 0));
+      grads.half_grad_v_stride = strides3(grad_v_partial.select(0, 0));
+    }
+    if (half) {
+      in.half = half_inputs.view(choice.half_products_vnni);
+      grads.half_grad_out = grads.source_grad_out;
+      grads.half_grad_out_stride = strides3(grad_out);
+    } else if (widen_in_tasks) {
+      in.widen_in_tasks = true;
     }
     FASTMHA_CPU_DISPATCH(attention_backward, in, grads);
   });

@@ -128,7 +128,7 @@ void transposed_to_half(HalfKind kind, const T* src, int64_t ld, int64_t rows, i
     // Divides kMaxDepthPiece: a band's elements of one output row are contiguous, output rows kMaxDepthPiece apart.
     constexpr int64_t kBand = 32;
     thread_local std::vector<at::BFloat16> band;
-    band.resize(static_cast<size_t>(kBand * n));
+    hold_at_least(band, kBand * n);
     for (int64_t r0 = 0; r0 < rows; r0 += kBand) {
       const int64_t height = std::min(kBand, rows - r0);
       for (int64_t r = 0; r < height; ++r) {
@@ -170,7 +170,7 @@ inline PackedRight rows_of_head(const uint16_t* head_pack, int64_t packed_keys, 
     return packed_from_row(head_pack, padded_depth(packed_keys), lo, vnni);
   }
   const int64_t depth = padded_depth(n);
-  scratch.resize(packed_size(depth, d));
+  hold_at_least(scratch, packed_size(depth, d));
   pack_rows(src + lo * ld, ld, n, d, vnni, scratch.data());
   return {scratch.data(), depth};
 }
@@ -183,7 +183,7 @@ inline PackedRight transposed_right(const uint16_t* right, int64_t right_ld, Pac
     return packed;
   }
   const int64_t depth = padded_depth(d);
-  scratch.resize(packed_size(depth, n));
+  hold_at_least(scratch, packed_size(depth, n));
   pack_transposed(right, right_ld, n, d, vnni, scratch.data());
   return {scratch.data(), depth};
 }
@@ -196,7 +196,7 @@ inline void half_times_transposed(const HalfOperands& half, const uint16_t* left
                                   float* out, int64_t ld, float alpha) {
   HalfScratch& scratch = half_scratch();
   const int64_t depth = padded_depth(d);
-  scratch.left.resize(left_size(rows, depth));
+  hold_at_least(scratch.left, left_size(rows, depth));
   pad_rows(left, left_ld, rows, d, scratch.left.data());
   packed = transposed_right(right, right_ld, packed, n, d, half.vnni, scratch.right);
   half_gemm(half.kind, half.vnni, rows, n, depth, scratch.left.data(), packed, out, ld, false, alpha);
@@ -326,7 +326,7 @@ void apply_values(const AttentionInputs<T>& in, const Head<T>& head, const T* p,
   if constexpr (std::is_same_v<T, float>) {
     HalfScratch& scratch = half_scratch();
     const int64_t depth = padded_depth(n);
-    scratch.left.resize(left_size(rows, depth));
+    hold_at_least(scratch.left, left_size(rows, depth));
     rows_to_half(in.half.kind, p, ld, rows, n, scratch.left.data());
     const PackedRight values = rows_of_head(head.values, head.packed_keys, head.half_v, in.half.v_stride.row, lo, n,
                                             in.d_v, in.half.vnni, scratch.right);
@@ -777,6 +777,14 @@ class NonFiniteKeys {
   int64_t head_index_ = -1, first_ = 0, last_ = -1;
 };
 
+// Whether query rows row0 .. row0 + rows of a head are all finite, read in the half type where the products run in it.
+template <typename T>
+bool query_rows_finite(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows) {
+  return head.half_q != nullptr
+             ? finite_half_rows(in.half.kind, head.half_q, in.half.q_stride.row, row0, row0 + rows, in.d_k)
+             : finite_rows(head.q, in.q_stride.row, row0, row0 + rows, in.d_k);
+}
+
 // The keys a chunk computes: its visible span, or all keys when asked or when a skipped key holds a NaN or an
 // infinity (a weight or score gradient of exactly 0 there keeps it: 0 * inf is NaN).
 template <typename T>
@@ -878,7 +886,7 @@ void fold_half_block(const AttentionInputs<T>& in, const Head<T>& head, const ui
       fill_chunk_keep(in, first_row, rows, block, buf.words, buf.keep.data());
     }
     const int64_t depth = padded_depth(n);
-    scratch.left.resize(left_size(rows, depth));
+    hold_at_least(scratch.left, left_size(rows, depth));
     const bool cut = in.is_causal && block.hi > row0 + 1;  // some row's causal limit falls inside the block
     for (int64_t r = 0; r < rows; ++r) {
       float* s = buf.scores.data() + r * ld;
@@ -938,7 +946,7 @@ bool online_chunk(const AttentionInputs<T>& in, const Head<T>& head, int64_t row
   const uint16_t* q_left = nullptr;
   if (head.half_q != nullptr) {
     std::vector<uint16_t>& chunk_q = half_scratch().chunk_q;
-    chunk_q.resize(left_size(rows, padded_depth(in.d_k)));
+    hold_at_least(chunk_q, left_size(rows, padded_depth(in.d_k)));
     pad_rows(head.half_q + row0 * in.half.q_stride.row, in.half.q_stride.row, rows, in.d_k, chunk_q.data());
     q_left = chunk_q.data();
   }
@@ -1308,7 +1316,7 @@ void kept_dropout_weights_backward_row(const AttentionInputs<T>& in, const T* gr
 }
 
 // One backward task: a range of one head's query chunks, with its own partial dK and dV, zeroed here (the
-// caller sums the splits).
+// caller sums the splits), or the task's own rows of them (g.half_grad_k; own_k and own_v hold them).
 template <typename T>
 struct SplitTask {
   int64_t bh, chunk_begin, chunk_end;
@@ -1319,13 +1327,35 @@ struct SplitTask {
 
 template <typename T>
 SplitTask<T> split_task(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, int64_t task,
-                        int64_t chunks) {
+                        int64_t chunks, std::vector<T>& own_k, std::vector<T>& own_v) {
   const int64_t bh = task / g.splits, split = task % g.splits;
-  T* grad_k = head_row(g.grad_k.data + split * g.grad_k.split, g.grad_k.stride, in.heads, bh, 0);
-  T* grad_v = head_row(g.grad_v.data + split * g.grad_v.split, g.grad_v.stride, in.heads, bh, 0);
+  T* grad_k = nullptr;
+  T* grad_v = nullptr;
+  if (g.half_grad_k != nullptr) {
+    hold_at_least(own_k, in.len_k * in.d_k);
+    hold_at_least(own_v, in.len_k * in.d_v);
+    grad_k = own_k.data();
+    grad_v = own_v.data();
+  } else {
+    grad_k = head_row(g.grad_k.data + split * g.grad_k.split, g.grad_k.stride, in.heads, bh, 0);
+    grad_v = head_row(g.grad_v.data + split * g.grad_v.split, g.grad_v.stride, in.heads, bh, 0);
+  }
   zero_rows(grad_k, g.grad_k.stride.row, in.len_k, in.d_k);
   zero_rows(grad_v, g.grad_v.stride.row, in.len_k, in.d_v);
   return {bh, split * chunks / g.splits, (split + 1) * chunks / g.splits, head_pointers(in, bh), grad_k, grad_v};
+}
+
+// A task's own dK and dV rows (g.half_grad_k), final once it has run all its head's chunks, rounded into the
+// half-type gradients.
+template <typename T>
+void round_task_gradients(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g,
+                          const SplitTask<T>& task) {
+  if constexpr (std::is_same_v<T, float>) {
+    round_rows(in.half_source.kind, task.grad_k, in.len_k, in.d_k,
+               head_row(g.half_grad_k, g.half_grad_k_stride, in.heads, task.bh, 0), g.half_grad_k_stride.row);
+    round_rows(in.half_source.kind, task.grad_v, in.len_k, in.d_v,
+               head_row(g.half_grad_v, g.half_grad_v_stride, in.heads, task.bh, 0), g.half_grad_v_stride.row);
+  }
 }
 
 // Per-task state of the backward: score and score-gradient rows (chunk x width), dropout multipliers, and
@@ -1338,6 +1368,7 @@ struct BackwardBuffers {
   std::vector<uint32_t> words;
   WidenedHead<T> widened;  // q/k/v when the tasks widen them (in.widen_in_tasks)
   BackwardChunkRows<T> chunk_rows;
+  std::vector<T> own_grad_k, own_grad_v;  // a task's dK and dV rows (AttentionBackwardTensors::half_grad_k)
 };
 
 // Whether query row `query` sees no key at all (mask, and causality with is_causal): all its scores are -1e9.
@@ -1410,8 +1441,8 @@ void half_chunk_rows(const AttentionInputs<T>& in, const uint16_t* grad_out, int
                      int64_t row0, int64_t rows) {
   HalfScratch& scratch = half_scratch();
   const int64_t depth = padded_depth(rows);
-  scratch.chunk_grad_out.resize(packed_size(depth, in.d_v));
-  scratch.chunk_q.resize(packed_size(depth, in.d_k));
+  hold_at_least(scratch.chunk_grad_out, packed_size(depth, in.d_v));
+  hold_at_least(scratch.chunk_q, packed_size(depth, in.d_k));
   pack_rows(grad_out, ld_grad_out, rows, in.d_v, in.half.vnni, scratch.chunk_grad_out.data());
   pack_rows(head.half_q + row0 * in.half.q_stride.row, in.half.q_stride.row, rows, in.d_k, in.half.vnni,
             scratch.chunk_q.data());
@@ -1419,8 +1450,8 @@ void half_chunk_rows(const AttentionInputs<T>& in, const uint16_t* grad_out, int
 
 template <typename T>
 void half_block_gradients(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, const Head<T>& head,
-                          int64_t rows, int64_t lo, int64_t n, const T* probs, T* grad_w, T* grad_q, T* grad_k,
-                          T* grad_v, bool add_q) {
+                          int64_t rows, int64_t lo, int64_t n, const T* probs, T* grad_w, T* grad_q, int64_t ld_grad_q,
+                          T* grad_k, T* grad_v, bool add_q) {
   if constexpr (std::is_same_v<T, float>) {
     // dS is rounded scaled: scale * dS stays finite in float16 where dS alone may not (a large output gradient).
     for (int64_t r = 0; r < rows; ++r) scale_row(grad_w + r * n, n, in.scale);
@@ -1429,7 +1460,7 @@ void half_block_gradients(const AttentionInputs<T>& in, const AttentionBackwardT
     const bool vnni = in.half.vnni;
     const int64_t by_rows = padded_depth(rows), by_keys = padded_depth(n);
     // dV += W^T dO
-    scratch.left.resize(left_size(n, by_rows));
+    hold_at_least(scratch.left, left_size(n, by_rows));
     transposed_to_half(kind, probs, n, rows, n, scratch.left.data());
     half_gemm(kind, vnni, n, in.d_v, by_rows, scratch.left.data(), {scratch.chunk_grad_out.data(), by_rows},
               grad_v + lo * g.grad_v.stride.row, g.grad_v.stride.row, true);
@@ -1438,11 +1469,11 @@ void half_block_gradients(const AttentionInputs<T>& in, const AttentionBackwardT
     half_gemm(kind, vnni, n, in.d_k, by_rows, scratch.left.data(), {scratch.chunk_q.data(), by_rows},
               grad_k + lo * g.grad_k.stride.row, g.grad_k.stride.row, true);
     // dQ (+)= scale dS K
-    scratch.left.resize(left_size(rows, by_keys));
+    hold_at_least(scratch.left, left_size(rows, by_keys));
     rows_to_half(kind, grad_w, n, rows, n, scratch.left.data());
     const PackedRight keys = rows_of_head(head.keys, head.packed_keys, head.half_k, in.half.k_stride.row, lo, n, in.d_k,
                                           vnni, scratch.right);
-    half_gemm(kind, vnni, rows, in.d_k, by_keys, scratch.left.data(), keys, grad_q, g.grad_q_stride.row, add_q);
+    half_gemm(kind, vnni, rows, in.d_k, by_keys, scratch.left.data(), keys, grad_q, ld_grad_q, add_q);
   } else {
     TORCH_INTERNAL_ASSERT(false, "half-type products take float scores");
   }
@@ -1462,11 +1493,14 @@ void for_each_backward_chunk(const AttentionInputs<T>& in, const AttentionBackwa
     buf.softmax.resize(chunk);
     for (int64_t begin, end; claim(begin, end);) {
       for (int64_t t = begin; t < end; ++t) {
-        SplitTask<T> task = split_task(in, g, t, chunks);
+        SplitTask<T> task = split_task(in, g, t, chunks, buf.own_grad_k, buf.own_grad_v);
         for (int64_t c = task.chunk_begin; c < task.chunk_end; ++c) {
           const int64_t row0 = c * chunk, rows = std::min(chunk, in.len_q - row0);
           use_widened_rows(in, buf.widened, task.bh, row0, rows, task.head);
           body(task, row0, rows, buf);
+        }
+        if (g.half_grad_k != nullptr) {
+          round_task_gradients(in, g, task);
         }
       }
     }
@@ -1479,11 +1513,11 @@ template <typename T>
 void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, const SplitTask<T>& task,
                    int64_t row0, int64_t rows, BackwardBuffers<T>& buf) {
   const auto& [bh, chunk_begin, chunk_end, head, grad_k, grad_v] = task;
-  auto& [probs, grad_w, keep, softmax, non_finite, words, widened, chunk_rows] = buf;
+  auto& [probs, grad_w, keep, softmax, non_finite, words, widened, chunk_rows, own_grad_k, own_grad_v] = buf;
   const int64_t first_row = bh * in.len_q + row0;
   const T* grad_out = chunk_rows.grad_out;
   const T* out = chunk_rows.out;
-  const T* q_rows = head.q + row0 * in.q_stride.row;
+  const T* q_rows = head.q != nullptr ? head.q + row0 * in.q_stride.row : nullptr;  // nullptr: in the half type
   T* grad_q = chunk_rows.grad_q;
   const int64_t ld_grad_out = chunk_rows.ld_grad_out, ld_grad_q = chunk_rows.ld_grad_q;
   const int64_t ld_grad_k = g.grad_k.stride.row, ld_grad_v = g.grad_v.stride.row;
@@ -1492,7 +1526,7 @@ void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<
   // dO rows all zero (padded queries that the loss ignores): dP = 0 and D = sum_j P_j dP_j = 0, so dS = 0.
   // The chunk adds nothing to dK and dV and its dQ rows are zero, unless 0 * inf makes NaN: a non-finite
   // Q row, key, value or log-sum-exp (P = exp(S - lse)).
-  if (all_zero(grad_out, ld_grad_out, rows, in.d_v) && finite_rows(q_rows, in.q_stride.row, 0, rows, in.d_k) &&
+  if (all_zero(grad_out, ld_grad_out, rows, in.d_v) && query_rows_finite(in, head, row0, rows) &&
       finite_rows(g.lse + first_row, 1, 0, rows, 1) && !non_finite.any(in, head, bh)) {
     zero_rows(grad_q, ld_grad_q, rows, in.d_k);
     return;
@@ -1511,8 +1545,7 @@ void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<
   }
   // dV and dK of a skipped key are zero weights (score gradients) times dO (Q) rows: a NaN or an infinity
   // there makes them NaN in the math.
-  bool may_skip =
-      finite_rows(grad_out, ld_grad_out, 0, rows, in.d_v) && finite_rows(q_rows, in.q_stride.row, 0, rows, in.d_k);
+  bool may_skip = finite_rows(grad_out, ld_grad_out, 0, rows, in.d_v) && query_rows_finite(in, head, row0, rows);
   for (int64_t r = 0; r < rows && may_skip; ++r) may_skip = skipped_keys_weigh_zero(g.lse[first_row + r]);
   const KeySpan span = chunk_span(in, head, bh, row0, rows, non_finite, !may_skip);
   const bool narrow = may_skip && span.masked && !non_finite.any(in, head, bh);
@@ -1556,7 +1589,8 @@ void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<
       }
     }
     if (in.half.q != nullptr) {
-      half_block_gradients(in, g, head, rows, lo, n, probs.data(), grad_w.data(), grad_q, grad_k, grad_v, computed);
+      half_block_gradients(in, g, head, rows, lo, n, probs.data(), grad_w.data(), grad_q, ld_grad_q, grad_k, grad_v,
+                           computed);
       computed = true;
       continue;
     }
@@ -1599,7 +1633,7 @@ void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<
   TORCH_INTERNAL_ASSERT(!in.widen_in_tasks || (std::is_same_v<T, float>), "the tasks widen for float only");
   TORCH_INTERNAL_ASSERT(g.weights == nullptr || (in.half.q == nullptr && !in.widen_in_tasks),
                         "kept weights are read in the accumulation type only");
-  if ((g.out != nullptr || in.widen_in_tasks) && g.grad_weights == nullptr) {
+  if ((g.out != nullptr || g.source_out != nullptr) && g.grad_weights == nullptr) {
     return blocked_backward(in, g);
   }
   TORCH_INTERNAL_ASSERT(in.half.q == nullptr && !in.widen_in_tasks,
@@ -1610,7 +1644,7 @@ void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<
   for_each_backward_chunk(
       in, g, chunk, ld, [&](const SplitTask<T>& task, int64_t row0, int64_t rows, BackwardBuffers<T>& buf) {
         const auto& [bh, chunk_begin, chunk_end, head, grad_k, grad_v] = task;
-        auto& [probs, grad_w, keep, softmax, non_finite, words, widened, chunk_rows] = buf;
+        auto& [probs, grad_w, keep, softmax, non_finite, words, widened, chunk_rows, own_grad_k, own_grad_v] = buf;
         const int64_t first_row = bh * in.len_q + row0;
         const T* grad_out = head_row(g.grad_out, g.grad_out_stride, in.heads, bh, row0);
         const int64_t ld_grad_out = g.grad_out_stride.row;

@@ -59,8 +59,8 @@ struct AttentionInputs {
   int64_t key_block;      // keys per block of the online-softmax forward and the blocked backward (> 0)
   HalfOperands half;      // T = float only
   // q/k/v in their half type when the kernels' tasks widen them, a head at a time into their own buffers
-  // (widened_rows.h): q, k and v above are then nullptr, their row strides d_k and d_v. They are nullptr too in a
-  // forward whose products run in the half type (half). T = float only.
+  // (widened_rows.h): q, k and v above are then nullptr, their row strides d_k and d_v. They are nullptr too where
+  // the products run in the half type (half); the backward then also sets half_source. T = float only.
   HalfOperands half_source;
   bool widen_in_tasks = false;  // whether the tasks widen half_source (its pointers are nullptr where it is empty)
   bool float_brgemm = false;    // T = float only: the forward's P V on oneDNN's brgemm (float_gemm.h)
@@ -104,12 +104,18 @@ struct AttentionBackwardTensors {
   // grad_out in the half type when the blocked backward's products run in it (AttentionInputs::half), or nullptr
   const uint16_t* half_grad_out = nullptr;
   Strides3 half_grad_out_stride{};
-  // The blocked backward's dO, O and dQ in a half type when its tasks widen (AttentionInputs::widen_in_tasks): dO
-  // and O rows are widened a chunk at a time and dQ rows rounded (laid out by grad_out_stride, out_stride and
-  // grad_q_stride); grad_out, out and grad_q are then nullptr. T = float only.
+  // The blocked backward's dO, O and dQ in a half type (with half-type products or tasks that widen): dO and O rows
+  // are widened a chunk at a time and dQ rows rounded (laid out by grad_out_stride, out_stride and grad_q_stride);
+  // grad_out, out and grad_q are then nullptr. T = float only.
   const uint16_t* source_grad_out = nullptr;
   const uint16_t* source_out = nullptr;
   uint16_t* half_grad_q = nullptr;
+  // dK and dV in the half type when each head is one task (splits == 1) of such a backward: the task sums them in
+  // its own fp32 rows, which stay in cache, and rounds them in when it ends (laid out by half_grad_k_stride and
+  // half_grad_v_stride); grad_k and grad_v then have no data, their row strides d_k and d_v. T = float only.
+  uint16_t* half_grad_k = nullptr;
+  uint16_t* half_grad_v = nullptr;
+  Strides3 half_grad_k_stride{}, half_grad_v_stride{};
   // The weights a forward kept (dropout up to kKeptWeightsMaxDropout), (B, H, Lq, Lk) contiguous in T, or nullptr:
   // the blocked backward takes P from them instead of recomputing the scores (with dropout, all but the dropped ones).
   const T* weights = nullptr;

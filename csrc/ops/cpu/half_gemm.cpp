@@ -109,7 +109,7 @@ HalfProducts choose_half_products(at::ScalarType dtype, HalfGemmMode mode, bool 
       return {true, false, type + " products in ATen's reference GEMM (FASTMHA_CPU_HALF_GEMM=reference)" + unless};
     case HalfGemmMode::kNative:
       return native_half_products(dtype) ? native : widened(no_native);
-    case HalfGemmMode::kAuto:
+    case HalfGemmMode::kAuto: {
       if (!native_half_products(dtype)) {
         return widened(no_native);
       }
@@ -117,11 +117,17 @@ HalfProducts choose_half_products(at::ScalarType dtype, HalfGemmMode mode, bool 
         return widened(": fewer than " + std::to_string(kNativeFromRows) +
                        " query rows, where native products pay less than widening");
       }
-      if (!(online && at::native::cpublas::could_pack(dtype)) && keys() < kNativeFromKeys) {
-        return widened(": fewer than " + std::to_string(kNativeFromKeys) +
+      const bool tiles = at::native::cpublas::could_pack(dtype);
+      const int64_t fewest = !tiles    ? kNativeFromKeys
+                             : online  ? 0
+                             : forward ? kNativeFromKeys
+                                       : kNativeBackwardOnTilesFromKeys;
+      if (fewest > 0 && keys() < fewest) {
+        return widened(": fewer than " + std::to_string(fewest) +
                        " keys a row multiplies, where native products pay less than widening");
       }
       return native;
+    }
     case HalfGemmMode::kWiden:
       break;
   }
@@ -193,7 +199,7 @@ void half_gemm(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, co
   }
   thread_local std::vector<float> panel_out;  // one panel of C for all padded rows
   const int64_t rows = padded_rows(m);
-  panel_out.resize(static_cast<size_t>(rows * kPanel));
+  hold_at_least(panel_out, rows * kPanel);
   for (int64_t c0 = 0; c0 < n; c0 += kPanel) {
     const int64_t width = std::min(kPanel, n - c0);
     half_gemm_in_place(kind, vnni, m, width, depth, a, {b.data + packed_index(0, c0, b.rows, vnni), b.rows},

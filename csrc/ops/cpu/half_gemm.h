@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 namespace fastmha::cpu {
 
@@ -34,9 +35,20 @@ static inline bool all_finite_bits(HalfKind kind, const uint16_t* bits, int64_t 
   return highest != exponent;
 }
 
+// Makes a scratch buffer hold at least n elements and never shrinks it: a vector resized down and up again zeroes
+// its regrown part, which a thread alternating between chunk or block sizes would pay at every one of them (the
+// callers write every element they read). Internal linkage, as all_finite_bits.
+template <typename T>
+static inline void hold_at_least(std::vector<T>& buffer, int64_t n) {
+  if (buffer.size() < static_cast<size_t>(n)) {
+    buffer.resize(static_cast<size_t>(n));
+  }
+}
+
 // How calls in a half type multiply (FASTMHA_CPU_HALF_GEMM): `auto` (default) as `native` from kNativeFromRows
-// query rows per head, each multiplying kNativeFromKeys keys or more (those a mask leaves; any count in a forward
-// without kept weights where the products run on AMX tiles: choose_half_products), and as `widen` below;
+// query rows per head, each multiplying kNativeFromKeys keys or more (those a mask leaves; where the products run
+// on AMX tiles, any count in a forward without kept weights and kNativeBackwardOnTilesFromKeys in a backward:
+// choose_half_products), and as `widen` below;
 // `widen` converts the operands to fp32 for MKL's sgemm; `native` multiplies in the half type where this CPU has the
 // instructions for it (elsewhere as widen); `reference` takes the half-type path through ATen's reference GEMM on any
 // CPU (for tests).
@@ -47,6 +59,10 @@ HalfGemmMode half_gemm_mode();
 // 0.48-0.67x the widened one's time from 256 to 4096 keys but 1.2-1.3x at 128 keys, where its packing and
 // kernel calls weigh more than the products; so did a padded batch of 350 keys with 10-25% of them visible.
 constexpr int64_t kNativeFromKeys = 256;
+// The same for a backward where the products run on AMX tiles: on an Intel Xeon with AMX-BF16 the native padded
+// bfloat16 forward + backward took 0.85-0.91x the widened backward's time at 90-180 keys a row, about the same at
+// 63-90 and 1.05-1.08x at 61.
+constexpr int64_t kNativeBackwardOnTilesFromKeys = 96;
 // The fewest query rows per head at which `auto` multiplies natively: with fewer (decoding steps, short query
 // blocks) the native forward over 1024-4096 keys took 9-10x the widened one's time on Zen 4 at 1 row, 2.6-2.7x at
 // 32 and 1.25-1.37x at 128 rows; 0.91-1.01x at 256 rows (forward + backward 0.72-0.81x).
@@ -73,7 +89,8 @@ struct HalfProducts {
 // FASTMHA_CPU_HALF_GEMM). `keys` gives the keys a row multiplies (those a mask leaves); it is asked only where
 // `auto` needs the count. `online`: a forward without kept weights (the online softmax's blocks, one pass per row
 // from the raw products): where oneDNN multiplies on AMX tiles it takes native products at any key count (on an
-// Intel Xeon with AMX-BF16 a padded batch's forward over 35-256 visible keys took 0.55-0.85x the widened time).
+// Intel Xeon with AMX-BF16 a padded batch's forward over 35-256 visible keys took 0.55-0.85x the widened time), and
+// a backward from kNativeBackwardOnTilesFromKeys keys.
 HalfProducts choose_half_products(at::ScalarType dtype, HalfGemmMode mode, bool forward, bool online, int64_t rows,
                                   const std::function<int64_t()>& keys);
 

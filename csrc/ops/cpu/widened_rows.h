@@ -102,8 +102,8 @@ class WidenedHead {
 };
 
 // A blocked backward task's rows of dO and O, and of dQ, for one chunk of queries: those of the tensors, or,
-// when the tasks widen (in.widen_in_tasks), dO and O widened into the task's buffers
-// and dQ computed there, rounded into the gradient by done().
+// when they are in a half type (g.source_grad_out), dO and O widened into the task's buffers and dQ computed
+// there, rounded into the gradient by done().
 template <typename T>
 class BackwardChunkRows {
  public:
@@ -116,7 +116,7 @@ class BackwardChunkRows {
             int64_t rows) {
     bh_ = bh;
     row0_ = row0;
-    if (!in.widen_in_tasks) {
+    if (g.source_grad_out == nullptr) {
       grad_out = head_row(g.grad_out, g.grad_out_stride, in.heads, bh, row0);
       out = head_row(g.out, g.out_stride, in.heads, bh, row0);
       grad_q = head_row(g.grad_q, g.grad_q_stride, in.heads, bh, row0);
@@ -145,7 +145,7 @@ class BackwardChunkRows {
   // The chunk's `rows` dQ rows are final.
   void done(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, int64_t rows) {
     if constexpr (std::is_same_v<T, float>) {
-      if (in.widen_in_tasks && g.half_grad_q != nullptr) {
+      if (g.source_grad_out != nullptr && g.half_grad_q != nullptr) {
         round_rows(in.half_source.kind, grad_q_.data(), rows, in.d_k,
                    head_row(g.half_grad_q, g.grad_q_stride, in.heads, bh_, row0_), g.grad_q_stride.row);
       }
