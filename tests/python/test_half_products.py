@@ -11,6 +11,7 @@ import re
 import pytest
 import torch
 from conftest import assert_attention_close, assert_close, torch_on_tiles
+from layouts import contiguous, heads_interleaved
 from oracle import oracle_attention
 from philox_reference import expected_keep
 
@@ -101,6 +102,19 @@ def test_large_heads_and_key_blocks(half_products, monkeypatch, need_weights, bl
     grad = torch.randn(1, 2, 70, 130, dtype=dtype)
     got, want = run_and_oracle(q, k, v, padding([length], lk=700), need_weights, grad)
     assert_attention_close(got, want, dtype, need_weights)
+
+
+@pytest.mark.parametrize("layout", [contiguous, heads_interleaved], ids=["contiguous", "heads interleaved"])
+@pytest.mark.parametrize("lq", [256, 200])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+def test_query_chunks_read_in_place(half_products, layout, lq, d, dtype):
+    # Query chunks of a power of two of rows with a head size of whole depth multiples (64) are the left operand of
+    # Q K^T read in place, through the rows' stride (the heads' interleaving): 256 queries make only such chunks,
+    # 200 a last one that is padded.
+    q, k, v, grad = (layout(2, 2, n, d, dtype) for n in (lq, 150, 150, lq))
+    got, want = run_and_oracle(q, k, v, padding([150, 40]), False, grad)
+    assert_attention_close(got, want, dtype, False)
 
 
 @pytest.mark.parametrize("dtype", HALF_TYPES)

@@ -352,14 +352,6 @@ void masked_scaled(T* s, int64_t n, T scale, const bool* mask_row, int64_t col_s
   for (; j < n; ++j) s[j] = mask_row[j * col_stride] ? s[j] * scale : T(kMaskedScore);
 }
 
-// Writes -1e9 where the mask row is false (the mask is read through its broadcast strides).
-template <typename T>
-void apply_mask(T* s, int64_t n, const bool* mask_row, int64_t col_stride) {
-  if (mask_row != nullptr) {
-    masked_scaled(s, n, T(1), mask_row, col_stride);
-  }
-}
-
 // The max of a row (NaN if any element is NaN; -inf if it is empty). Four running maxima, so that long rows are
 // not held up by the latency of one chain of max instructions; the last few elements in one masked load.
 template <typename T>
@@ -512,6 +504,9 @@ struct KeySpan {
   int64_t lo, hi;
   bool masked;
   bool row_without_key = false;  // some row of the chunk sees no key: all keys, none of them skipped
+  // Every row of the chunk sees one run of keys, its mask row's extent (RowExtent without holes): the blocks hide
+  // the keys outside each row's run without reading the mask (padding, causal and padding & causal masks).
+  bool runs = false;
   int64_t size() const { return hi - lo; }
 };
 
@@ -535,6 +530,12 @@ void fill_chunk_keep(const AttentionInputs<T>& in, int64_t first_row, int64_t ro
   }
 }
 
+// The extent of query row `query`'s mask row (head.mask_rows holds them).
+template <typename T>
+const RowExtent& row_extent(const AttentionInputs<T>& in, const Head<T>& head, int64_t query) {
+  return head.mask_rows[query * in.mask_rows_stride[2]];
+}
+
 // The keys rows row0 .. row0+rows-1 can see. With is_causal, query i attends keys j <= i, so the chunk needs
 // only the first row0 + rows keys. With a mask, the span shrinks to the chunk's first and last visible key
 // (rows whose mask rows coincide, a broadcast row stride of 0, are read once). A chunk with no visible key
@@ -550,7 +551,7 @@ KeySpan visible_span(const AttentionInputs<T>& in, const Head<T>& head, int64_t 
     return {0, limit, true};
   }
   int64_t lo = limit, hi = 0;
-  bool holes = false;
+  bool holes = false, runs = true;
   const int64_t distinct_rows = in.mask_stride[2] == 0 ? 1 : rows;
   for (int64_t r = 0; r < distinct_rows; ++r) {
     const bool* row = head.mask + (row0 + r) * in.mask_stride[2];
@@ -569,16 +570,60 @@ KeySpan visible_span(const AttentionInputs<T>& in, const Head<T>& head, int64_t 
     lo = std::min(lo, first);
     hi = std::max(hi, last + 1);
     holes = holes || (extent != nullptr ? extent->holes : has_hidden_key(row, col_stride, first, last));
+    runs = runs && extent != nullptr && !extent->holes;
   }
   if (lo >= hi) {
     return {0, in.len_k, true};
   }
   // Rows with a narrower range than the union see masked keys at the span's edges.
   for (int64_t r = 0; r < distinct_rows && !holes; ++r) {
-    const bool* row = head.mask + (row0 + r) * in.mask_stride[2];
-    holes = !row[lo * col_stride] || !row[(hi - 1) * col_stride];
+    if (runs) {
+      const RowExtent& extent = row_extent(in, head, row0 + r);
+      holes = extent.first > lo || extent.last < hi - 1;
+    } else {
+      const bool* row = head.mask + (row0 + r) * in.mask_stride[2];
+      holes = !row[lo * col_stride] || !row[(hi - 1) * col_stride];
+    }
   }
-  return {lo, hi, holes};
+  return {lo, hi, holes, false, runs};
+}
+
+// What hides keys of one row of a block: its mask entries (mask_row, the entry for the block's first key,
+// col_stride apart; nullptr: none to read) and every key outside [from, to) in block coordinates (the row's run
+// of visible keys, its causal limit).
+struct RowHiding {
+  const bool* mask_row;
+  int64_t col_stride, from, to;
+};
+
+template <typename T>
+RowHiding row_hiding(const AttentionInputs<T>& in, const Head<T>& head, const KeySpan& block, int64_t query) {
+  RowHiding hiding{nullptr, 0, 0, block.size()};
+  if (block.masked && block.runs) {
+    const RowExtent& extent = row_extent(in, head, query);
+    hiding.from = extent.first - block.lo;
+    hiding.to = extent.last + 1 - block.lo;
+  } else if (block.masked) {
+    hiding.mask_row = head.mask + query * in.mask_stride[2] + block.lo * in.mask_stride[3];
+    hiding.col_stride = in.mask_stride[3];
+  }
+  if (in.is_causal) {
+    hiding.to = std::min(hiding.to, query + 1 - block.lo);
+  }
+  return hiding;
+}
+
+// One row of n raw products s of a block: s <- scale * s where `hiding` shows the key, -1e9 where it hides it.
+template <typename T>
+void hide_keys(T* s, int64_t n, T scale, const RowHiding& hiding) {
+  if (hiding.mask_row != nullptr) {
+    masked_scaled(s, n, scale, hiding.mask_row, hiding.col_stride);
+  } else if (scale != T(1)) {
+    for (int64_t j = 0; j < n; ++j) s[j] *= scale;
+  }
+  const int64_t from = std::clamp<int64_t>(hiding.from, 0, n);
+  std::fill(s, s + from, T(kMaskedScore));
+  std::fill(s + std::clamp<int64_t>(hiding.to, from, n), s + n, T(kMaskedScore));
 }
 
 // Score row r, key j of a block (lo <= j < hi) = scale * q[row0 + r] . k[j] for r < rows, then the masks (-1e9)
@@ -593,14 +638,8 @@ void block_scores(const AttentionInputs<T>& in, const Head<T>& head, int64_t row
     gemm<T>(false, true, rows, n, in.d_k, in.scale, head.q + row0 * in.q_stride.row, in.q_stride.row,
             head.k + block.lo * in.k_stride.row, in.k_stride.row, T(0), scores, ld);
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    T* s = scores + r * ld;
-    if (block.masked) {
-      apply_mask(s, n, head.mask + (row0 + r) * in.mask_stride[2] + block.lo * in.mask_stride[3], in.mask_stride[3]);
-    }
-    if (in.is_causal) {
-      for (int64_t j = std::max(row0 + r + 1, block.lo); j < block.hi; ++j) s[j - block.lo] = T(kMaskedScore);
-    }
+  for (int64_t r = 0; r < rows && (block.masked || in.is_causal); ++r) {
+    hide_keys(scores + r * ld, n, T(1), row_hiding(in, head, block, row0 + r));
   }
 }
 
@@ -614,6 +653,34 @@ KeySpan visible_run(const AttentionInputs<T>& in, const Head<T>& head, int64_t r
   return {run.lo, run.hi, run.masked};
 }
 
+// next_block for a chunk whose rows each see one run of keys (KeySpan::runs), from their extents: it starts at the
+// first key from `from` on that some row sees and ends after the last one some row sees within in.key_block keys.
+template <typename T>
+KeySpan next_run_block(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows, int64_t end,
+                       int64_t from) {
+  const int64_t distinct_rows = in.mask_rows_stride[2] == 0 ? 1 : rows;
+  int64_t lo = end;
+  for (int64_t r = 0; r < distinct_rows; ++r) {
+    const RowExtent& extent = row_extent(in, head, row0 + r);
+    if (extent.last >= from) lo = std::min(lo, std::max(extent.first, from));
+  }
+  if (lo >= end) {
+    return {end, end, false};
+  }
+  const int64_t limit = std::min(lo + in.key_block, end);
+  int64_t hi = lo + 1;
+  for (int64_t r = 0; r < distinct_rows; ++r) {
+    const RowExtent& extent = row_extent(in, head, row0 + r);
+    if (extent.first < limit && extent.last >= lo) hi = std::max(hi, std::min(extent.last + 1, limit));
+  }
+  bool masked = false;
+  for (int64_t r = 0; r < distinct_rows && !masked; ++r) {
+    const RowExtent& extent = row_extent(in, head, row0 + r);
+    masked = extent.first > lo || extent.last < hi - 1;
+  }
+  return {lo, hi, masked, false, true};
+}
+
 // The next block of a chunk's span from key `from`: in.key_block keys, or, with `narrow` and a mask to read, the
 // next run of at most in.key_block keys that some row of the chunk sees (keys every row hides are skipped), read
 // without the mask when every row sees all of it. Empty when no row sees a key from `from` on.
@@ -621,7 +688,10 @@ template <typename T>
 KeySpan next_block(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows, const KeySpan& span,
                    int64_t from, bool narrow) {
   if (!narrow || !span.masked) {
-    return {from, std::min(from + in.key_block, span.hi), span.masked};
+    return {from, std::min(from + in.key_block, span.hi), span.masked, false, span.runs};
+  }
+  if (span.runs) {
+    return next_run_block(in, head, row0, rows, span.hi, from);
   }
   return visible_run(in, head, row0, rows, from, span.hi, in.key_block);
 }
@@ -850,20 +920,6 @@ inline int64_t online_scores_ld(int64_t key_block) {
   return ld + kPanel;
 }
 
-// Scores of one row of a block from its raw products s (n keys, the first `lo`): s <- scale * s, then -1e9 where
-// the row's mask hides the key (mask_row: the row's entry for key lo, col_stride apart; nullptr: no mask) and from
-// key `cut` on (its causal limit; n or more: none).
-inline void masked_scaled_row(float* s, int64_t n, float scale, const bool* mask_row, int64_t col_stride, int64_t cut) {
-  if (mask_row == nullptr) {
-    for (int64_t j = 0; j < n; ++j) s[j] *= scale;
-  } else {
-    masked_scaled(s, n, scale, mask_row, col_stride);
-  }
-  if (cut < n) {
-    std::fill(s + std::max<int64_t>(cut, 0), s + n, static_cast<float>(kMaskedScore));
-  }
-}
-
 // One block of online_chunk whose products run in the half type: the kernels write the raw products Q K^T in place
 // (q_left: the chunk's query rows as a left operand), one pass per row folds them into the running max and sum and
 // leaves the weights in the half type as the left operand of P V, whose products are added to the output rows
@@ -871,9 +927,9 @@ inline void masked_scaled_row(float* s, int64_t n, float scale, const bool* mask
 // cut) first gets its scores scaled and masked in place, row by row. Returns as online_chunk's block would: the
 // same numbers up to rounding (the scale and the max may fuse into one instruction), fewer passes over the scores.
 template <typename T>
-void fold_half_block(const AttentionInputs<T>& in, const Head<T>& head, const uint16_t* q_left, int64_t row0,
-                     int64_t rows, int64_t first_row, const KeySpan& block, OnlineBuffers<T>& buf, T* out_rows,
-                     int64_t out_ld, bool computed) {
+void fold_half_block(const AttentionInputs<T>& in, const Head<T>& head, LeftOperand q_left, int64_t row0, int64_t rows,
+                     int64_t first_row, const KeySpan& block, OnlineBuffers<T>& buf, T* out_rows, int64_t out_ld,
+                     bool computed) {
   if constexpr (std::is_same_v<T, float>) {
     const HalfOperands& half = in.half;
     HalfScratch& scratch = half_scratch();
@@ -896,9 +952,7 @@ void fold_half_block(const AttentionInputs<T>& in, const Head<T>& head, const ui
       // positive), and the exp pass scales them.
       float scale = in.scale, block_max = 0.0f;
       if (block.masked || cut) {
-        const bool* mask_row =
-            block.masked ? head.mask + (row0 + r) * in.mask_stride[2] + block.lo * in.mask_stride[3] : nullptr;
-        masked_scaled_row(s, n, in.scale, mask_row, in.mask_stride[3], cut ? row0 + r + 1 - block.lo : n);
+        hide_keys(s, n, in.scale, row_hiding(in, head, block, row0 + r));
         scale = 1.0f;
         block_max = row_max(s, n);
       } else {
@@ -942,13 +996,19 @@ bool online_chunk(const AttentionInputs<T>& in, const Head<T>& head, int64_t row
   std::fill(buf.max.begin(), buf.max.begin() + rows, kNegInf);
   std::fill(buf.sum.begin(), buf.sum.begin() + rows, T(0));
   bool skipped = span.size() < in.len_k, computed = false;
-  // The chunk's query rows as the left operand of its blocks' half-type products, padded once.
-  const uint16_t* q_left = nullptr;
+  // The chunk's query rows as the left operand of its blocks' half-type products: read in place where they need
+  // no padding (a power of two of rows, a head size of whole depth multiples), otherwise padded once.
+  LeftOperand q_left{nullptr};
   if (head.half_q != nullptr) {
-    std::vector<uint16_t>& chunk_q = half_scratch().chunk_q;
-    hold_at_least(chunk_q, left_size(rows, padded_depth(in.d_k)));
-    pad_rows(head.half_q + row0 * in.half.q_stride.row, in.half.q_stride.row, rows, in.d_k, chunk_q.data());
-    q_left = chunk_q.data();
+    const uint16_t* q_rows = head.half_q + row0 * in.half.q_stride.row;
+    if (padded_rows(rows) == rows && in.d_k % kDepthMultiple == 0) {
+      q_left = LeftOperand(q_rows, in.half.q_stride.row);
+    } else {
+      std::vector<uint16_t>& chunk_q = half_scratch().chunk_q;
+      hold_at_least(chunk_q, left_size(rows, padded_depth(in.d_k)));
+      pad_rows(q_rows, in.half.q_stride.row, rows, in.d_k, chunk_q.data());
+      q_left = LeftOperand(chunk_q.data());
+    }
   }
   for (int64_t from = span.lo; from < span.hi;) {
     const KeySpan block = next_block(in, head, row0, rows, span, from, narrow);
@@ -958,7 +1018,7 @@ bool online_chunk(const AttentionInputs<T>& in, const Head<T>& head, int64_t row
     }
     from = block.hi;
     const int64_t n = block.size();
-    if (q_left != nullptr) {
+    if (q_left.data != nullptr) {
       fold_half_block(in, head, q_left, row0, rows, first_row, block, buf, out_rows, out_ld, computed);
       computed = true;
       continue;

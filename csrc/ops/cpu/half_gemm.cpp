@@ -19,17 +19,16 @@ namespace {
 
 uint16_t half_bits(HalfKind kind, float x) { return kind == HalfKind::kBFloat16 ? c10::BFloat16(x).x : c10::Half(x).x; }
 
-// One panel of kPanel columns of a product, one depth piece: out (rows x kPanel, row stride ldc) (+)= left right.
-void panel_product(HalfKind kind, bool vnni, int64_t rows, int64_t piece, const uint16_t* left, const uint16_t* right,
-                   float* out, int64_t ldc, bool add) {
+// One panel of kPanel columns of a product, one depth piece: out (rows x kPanel, row stride ldc) (+)= left right
+// (left rows lda apart).
+void panel_product(HalfKind kind, bool vnni, int64_t rows, int64_t piece, const uint16_t* left, int64_t lda,
+                   const uint16_t* right, float* out, int64_t ldc, bool add) {
   if (kind == HalfKind::kBFloat16) {
-    at::native::cpublas::brgemm(rows, kPanel, piece, kMaxDepthPiece, kPanel, ldc, add,
-                                reinterpret_cast<const at::BFloat16*>(left),
+    at::native::cpublas::brgemm(rows, kPanel, piece, lda, kPanel, ldc, add, reinterpret_cast<const at::BFloat16*>(left),
                                 reinterpret_cast<const at::BFloat16*>(right), out, vnni);
   } else {
-    at::native::cpublas::brgemm(rows, kPanel, piece, kMaxDepthPiece, kPanel, ldc, add,
-                                reinterpret_cast<const at::Half*>(left), reinterpret_cast<const at::Half*>(right), out,
-                                vnni);
+    at::native::cpublas::brgemm(rows, kPanel, piece, lda, kPanel, ldc, add, reinterpret_cast<const at::Half*>(left),
+                                reinterpret_cast<const at::Half*>(right), out, vnni);
   }
 }
 
@@ -216,17 +215,18 @@ void half_gemm(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, co
   }
 }
 
-void half_gemm_in_place(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, const uint16_t* a, PackedRight b,
+void half_gemm_in_place(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, LeftOperand a, PackedRight b,
                         float* c, int64_t ldc) {
   TORCH_INTERNAL_ASSERT(b.rows >= depth && depth > 0 && ldc >= (n + kPanel - 1) / kPanel * kPanel,
                         "an in-place product of ", n, " columns, depth ", depth, ", row stride ", ldc);
+  TORCH_INTERNAL_ASSERT(a.ld == 0 || (padded_rows(m) == m && depth % kDepthMultiple == 0),
+                        "a left operand read in place with ", m, " rows, depth ", depth);
   const int64_t rows = padded_rows(m);
   for (int64_t c0 = 0; c0 < n; c0 += kPanel) {
     for (int64_t k0 = 0; k0 < depth; k0 += kMaxDepthPiece) {
       const int64_t piece = std::min(kMaxDepthPiece, depth - k0);
-      const uint16_t* left = a + left_index(0, k0, m);
       const uint16_t* right = b.data + packed_index(k0, c0, b.rows, vnni);
-      panel_product(kind, vnni, rows, piece, left, right, c + c0, ldc, k0 > 0);
+      panel_product(kind, vnni, rows, piece, a.piece(k0, m), a.row_stride(), right, c + c0, ldc, k0 > 0);
     }
   }
 }

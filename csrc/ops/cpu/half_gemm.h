@@ -144,6 +144,20 @@ void pad_rows(const uint16_t* src, int64_t ld, int64_t m, int64_t d, uint16_t* d
 // d .. padded_depth(d).
 void zero_left_padding(int64_t m, int64_t d, uint16_t* dst);
 
+// A left operand as a product reads it: laid out by left_index (ld 0), or m rows read in place, ld elements apart,
+// when m is a power of two of at least 16 (padded_rows(m) == m: no padding rows to read) and the depth a multiple
+// of kDepthMultiple (no padding columns), such as a chunk of a head's queries.
+struct LeftOperand {
+  LeftOperand(const uint16_t* laid_out) : data(laid_out) {}  // NOLINT(google-explicit-constructor)
+  LeftOperand(const uint16_t* rows, int64_t row_stride) : data(rows), ld(row_stride) {}
+  // Row 0 of the depth piece from column k0 on, of a product of m rows.
+  const uint16_t* piece(int64_t k0, int64_t m) const { return ld == 0 ? data + left_index(0, k0, m) : data + k0; }
+  int64_t row_stride() const { return ld == 0 ? kMaxDepthPiece : ld; }
+
+  const uint16_t* data;
+  int64_t ld = 0;
+};
+
 // A packed right operand as a product reads it: `data` points at its first row, which may lie inside a larger
 // packed operand of `rows` rows (its panels are rows x kPanel elements apart), such as a block of keys inside a
 // head's values packed once; rows >= the product's depth.
@@ -164,7 +178,7 @@ void half_gemm(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, co
 
 // C = A B as half_gemm without its copy: the kernels write C in place, so C must hold padded_rows(m) rows of at
 // least n rounded up to kPanel columns (row stride ldc); what lies beyond m rows and n columns is overwritten.
-void half_gemm_in_place(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, const uint16_t* a, PackedRight b,
+void half_gemm_in_place(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, LeftOperand a, PackedRight b,
                         float* c, int64_t ldc);
 
 // Frees the calling thread's hardware state of the native kernels (AMX tile configuration) when it goes out of
