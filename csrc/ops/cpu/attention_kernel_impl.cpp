@@ -352,6 +352,29 @@ void masked_scaled(T* s, int64_t n, T scale, const bool* mask_row, int64_t col_s
   for (; j < n; ++j) s[j] = mask_row[j * col_stride] ? s[j] * scale : T(kMaskedScore);
 }
 
+// The first `count` elements at s (fewer than a vector's lanes), `fill` in the other lanes, reading nothing past
+// them: one masked load on AVX-512 (ATen's Vec::set, a switch, is not inlined), a copy elsewhere.
+template <typename T>
+Vectorized<T> load_first(const T* s, int64_t count, T fill) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_mask_loadu_ps(_mm512_set1_ps(fill), static_cast<__mmask16>((1u << count) - 1), s);
+  }
+#endif
+  return Vectorized<T>::set(Vectorized<T>(fill), Vectorized<T>::loadu(s, count), count);
+}
+
+// x in its first `count` lanes, zeros in the others.
+template <typename T>
+Vectorized<T> first_lanes(const Vectorized<T>& x, int64_t count) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << count) - 1), x);
+  }
+#endif
+  return Vectorized<T>::set(Vectorized<T>(T(0)), x, count);
+}
+
 // The max of a row (NaN if any element is NaN; -inf if it is empty). Four running maxima, so that long rows are
 // not held up by the latency of one chain of max instructions; the last few elements in one masked load.
 template <typename T>
@@ -369,7 +392,7 @@ T row_max(const T* s, int64_t n) {
   }
   for (; j + kLanes <= n; j += kLanes) m0 = at::vec::maximum(m0, Vec::loadu(s + j));
   if (j < n) {
-    m1 = at::vec::maximum(m1, Vec::set(lowest, Vec::loadu(s + j, n - j), n - j));
+    m1 = at::vec::maximum(m1, load_first(s + j, n - j, -std::numeric_limits<T>::infinity()));
   }
   return at::vec::vec_reduce_all<T>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); },
                                     at::vec::maximum(at::vec::maximum(m0, m1), at::vec::maximum(m2, m3)));
@@ -403,7 +426,7 @@ T exp_shifted(T* s, int64_t n, T max, bool fast = false) {
   }
   if (j < n) {  // the last few in one masked load: lanes beyond the row add 0
     const int64_t count = n - j;
-    const Vec e = Vec::set(Vec(T(0)), softmax_exp(Vec::loadu(s + j, count) - max_vec, fast), count);
+    const Vec e = first_lanes(softmax_exp(load_first(s + j, count, T(0)) - max_vec, fast), count);
     e.store(s + j, count);
     sum_vec = sum_vec + e;
   }
@@ -457,6 +480,7 @@ float exp_to_half_row(const float* s, int64_t n, float scale, float max, bool fa
                       int64_t r, int64_t m) {
   using Vec = Vectorized<float>;
   constexpr int64_t kStep = 2 * Vec::size();
+  static_assert(kDepthMultiple % kStep == 0 && kMaxDepthPiece % kStep == 0, "whole steps fit the padded depth");
   const Vec scale_vec(scale), max_vec(max);
   Vec sum_vec(0.0f);
   for (int64_t k0 = 0; k0 < n; k0 += kMaxDepthPiece) {
@@ -480,12 +504,14 @@ float exp_to_half_row(const float* s, int64_t n, float scale, float max, bool fa
         if (count == 0) {
           return zero;
         }
-        const Vec e = Vec::set(zero, softmax_exp(Vec::loadu(s + at, count) * scale_vec - max_vec, fast), count);
+        const Vec e = first_lanes(softmax_exp(load_first(s + at, count, 0.0f) * scale_vec - max_vec, fast), count);
         sum_vec = sum_vec + e;
-        return keep != nullptr ? e * Vec::loadu(keep + at, count) : e;
+        return keep != nullptr ? e * load_first(keep + at, count, 0.0f) : e;
       };
       const Vec w0 = weights(j, count0), w1 = weights(j + Vec::size(), count1);  // in this order: the sum's
-      store_rounded<H>(w0, w1, out + j, end - j);
+      // A whole step: the zeros beyond the row land in the operand's padding (depths are multiples of
+      // kDepthMultiple, itself a multiple of kStep, and the piece's row holds kMaxDepthPiece elements).
+      store_rounded<H>(w0, w1, out + j);
     }
   }
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum_vec);
@@ -691,7 +717,8 @@ KeySpan next_block(const AttentionInputs<T>& in, const Head<T>& head, int64_t ro
     return {from, std::min(from + in.key_block, span.hi), span.masked, false, span.runs};
   }
   if (span.runs) {
-    return next_run_block(in, head, row0, rows, span.hi, from);
+    // A span of one block is that block: its first and last keys, and whether a row sees less, are the span's.
+    return from == span.lo && span.size() <= in.key_block ? span : next_run_block(in, head, row0, rows, span.hi, from);
   }
   return visible_run(in, head, row0, rows, from, span.hi, in.key_block);
 }
@@ -951,8 +978,10 @@ void fold_half_block(const AttentionInputs<T>& in, const Head<T>& head, LeftOper
       // Unmasked rows keep their raw products: their max times the scale is the scaled scores' max (the scale is
       // positive), and the exp pass scales them.
       float scale = in.scale, block_max = 0.0f;
-      if (block.masked || cut) {
-        hide_keys(s, n, in.scale, row_hiding(in, head, block, row0 + r));
+      const RowHiding hiding =
+          block.masked || cut ? row_hiding(in, head, block, row0 + r) : RowHiding{nullptr, 0, 0, n};
+      if (hiding.mask_row != nullptr || hiding.from > 0 || hiding.to < n) {  // the row does not see the whole block
+        hide_keys(s, n, in.scale, hiding);
         scale = 1.0f;
         block_max = row_max(s, n);
       } else {
