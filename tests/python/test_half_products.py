@@ -104,6 +104,25 @@ def test_large_heads_and_key_blocks(half_products, monkeypatch, need_weights, bl
     assert_attention_close(got, want, dtype, need_weights)
 
 
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+def test_operand_padding_is_zero_after_a_nan_backward(half_products, dtype):
+    # The kernels' operand buffers are kept per thread: a backward whose score gradients were NaN (in the last head
+    # it computes) leaves NaN in them, and a later forward over fewer keys must still pad its weights with zeros
+    # (NaN times the zero rows of the padded values would be NaN).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        q, k, v, grad = half_inputs(dtype, lk=100)
+        q[-1, -1, 7] = float("nan")
+        inputs = [t.requires_grad_() for t in (q, k, v)]
+        torch.autograd.grad(torch.ops.fastmha.attention(*inputs, None, 0.0, False, False)[0], inputs, grad)
+        q, k, v, grad = half_inputs(dtype, lk=20)
+        got, want = run_and_oracle(q, k, v, None, False, grad)
+        assert_attention_close(got, want, dtype, False)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("layout", [contiguous, heads_interleaved], ids=["contiguous", "heads interleaved"])
 @pytest.mark.parametrize("lq", [256, 200])
 @pytest.mark.parametrize("d", [64, 128])

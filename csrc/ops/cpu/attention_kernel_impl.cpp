@@ -473,8 +473,9 @@ inline void store_rounded(const Vectorized<float>& lo, const Vectorized<float>& 
 }
 
 // Row r of a left operand of m rows (half_gemm.h) <- exp(scale * s - max) rounded to the half type, times the
-// dropout multipliers `keep` where given; returns the sum of the exponentials (before dropout). The scale, the
-// exp and the rounding of the online forward's exp_shifted and rows_to_half in one pass, for raw products s.
+// dropout multipliers `keep` where given, and zeros beyond n up to padded_depth(n); returns the sum of the
+// exponentials (before dropout). The scale, the exp and the rounding of the online forward's exp_shifted and
+// rows_to_half in one pass, for raw products s.
 template <typename H>
 float exp_to_half_row(const float* s, int64_t n, float scale, float max, bool fast, const float* keep, uint16_t* left,
                       int64_t r, int64_t m) {
@@ -512,6 +513,10 @@ float exp_to_half_row(const float* s, int64_t n, float scale, float max, bool fa
       // A whole step: the zeros beyond the row land in the operand's padding (depths are multiples of
       // kDepthMultiple, itself a multiple of kStep, and the piece's row holds kMaxDepthPiece elements).
       store_rounded<H>(w0, w1, out + j);
+      j += kStep;
+    }
+    if (end == n) {  // the row's last piece: zeros up to the product's depth
+      std::fill(out + j, out + k0 + std::min(kMaxDepthPiece, padded_depth(n) - k0), H(0.0f));
     }
   }
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum_vec);
@@ -916,7 +921,8 @@ T fold_into_row(T block_max, T& max, T& sum, const Exponentiate& exponentiate, c
     no_weight();
     return T(1);
   }
-  const T rescale = std::exp(old - now);  // 0 for the first finite block
+  // 0 for the first finite block (without a call of exp: most rows of a padded batch have only one block)
+  const T rescale = old == -std::numeric_limits<T>::infinity() && !std::isnan(now) ? T(0) : std::exp(old - now);
   sum = sum * rescale + exponentiate(now, std::isfinite(now));
   max = now;
   return rescale;
@@ -995,21 +1001,28 @@ void fold_half_block(const AttentionInputs<T>& in, const Head<T>& head, LeftOper
                        : exp_to_half_row<at::Half>(s, n, scale, now, fast, keep, left, r, rows);
           },
           [&] {
-            for (int64_t k0 = 0; k0 < n; k0 += kMaxDepthPiece) {
-              std::fill_n(left + left_index(r, k0, rows), std::min(kMaxDepthPiece, n - k0), uint16_t{0});
+            for (int64_t k0 = 0; k0 < depth; k0 += kMaxDepthPiece) {
+              std::fill_n(left + left_index(r, k0, rows), std::min(kMaxDepthPiece, depth - k0), uint16_t{0});
             }
           });
       if (computed && rescale != 1.0f) {
         scale_row(out_rows + r * out_ld, in.d_v, rescale);
       }
     }
-    zero_left_padding(rows, n, scratch.left.data());
+    zero_padding_rows(rows, n, scratch.left.data());
     const PackedRight values = rows_of_head(head.values, head.packed_keys, head.half_v, half.v_stride.row, block.lo, n,
                                             in.d_v, half.vnni, scratch.right);
-    half_gemm(half.kind, half.vnni, rows, in.d_v, depth, scratch.left.data(), values, out_rows, out_ld, computed);
+    half_gemm_in_place(half.kind, half.vnni, rows, in.d_v, depth, scratch.left.data(), values, out_rows, out_ld,
+                       computed);
   } else {
     TORCH_INTERNAL_ASSERT(false, "half-type products take float scores");
   }
+}
+
+// lse[r] = max[r] + log(sum[r]) for n rows, a vector of rows at a time.
+template <typename T>
+void log_sum_exp(const T* max, const T* sum, int64_t n, T* lse) {
+  at::vec::map2([](Vectorized<T> m, Vectorized<T> s) { return m + s.log(); }, lse, max, sum, n);
 }
 
 // The output rows of a chunk over its key span, without kept weights: the span is walked in blocks of at most
@@ -1073,8 +1086,8 @@ bool online_chunk(const AttentionInputs<T>& in, const Head<T>& head, int64_t row
     zero_rows(out_rows, out_ld, rows, in.d_v);
   }
   bool complete = true;
+  log_sum_exp(buf.max.data(), buf.sum.data(), rows, lse);
   for (int64_t r = 0; r < rows; ++r) {
-    lse[r] = buf.max[r] + std::log(buf.sum[r]);
     if (computed) {
       scale_row(out_rows + r * out_ld, in.d_v, T(1) / buf.sum[r]);
     }

@@ -164,16 +164,31 @@ void pack_rows(const uint16_t* src, int64_t ld, int64_t n, int64_t d, bool vnni,
   }
 }
 
-void zero_left_padding(int64_t m, int64_t d, uint16_t* dst) {
-  const int64_t depth = padded_depth(d), rows = padded_rows(m);
+namespace {
+
+// Rows from..to of a left operand of m rows, d columns deep: zeros from column `valid(r)` to padded_depth(d).
+template <typename Valid>
+void zero_left_rows(int64_t m, int64_t d, int64_t from, int64_t to, const Valid& valid, uint16_t* dst) {
+  const int64_t depth = padded_depth(d);
   for (int64_t k0 = 0; k0 < depth; k0 += kMaxDepthPiece) {
     const int64_t end = std::min(kMaxDepthPiece, depth - k0);  // columns of this piece that are read
-    const int64_t valid = std::clamp<int64_t>(d - k0, 0, end);
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = from; r < to; ++r) {
       uint16_t* row = dst + left_index(r, k0, m);
-      std::fill(row + (r < m ? valid : 0), row + end, uint16_t{0});
+      std::fill(row + std::clamp<int64_t>(valid(r) - k0, 0, end), row + end, uint16_t{0});
     }
   }
+}
+
+}  // namespace
+
+void zero_left_padding(int64_t m, int64_t d, uint16_t* dst) {
+  zero_left_rows(
+      m, d, 0, padded_rows(m), [&](int64_t r) { return r < m ? d : int64_t{0}; }, dst);
+}
+
+void zero_padding_rows(int64_t m, int64_t d, uint16_t* dst) {
+  zero_left_rows(
+      m, d, m, padded_rows(m), [](int64_t) { return int64_t{0}; }, dst);
 }
 
 void pad_rows(const uint16_t* src, int64_t ld, int64_t m, int64_t d, uint16_t* dst) {
@@ -216,7 +231,7 @@ void half_gemm(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, co
 }
 
 void half_gemm_in_place(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, LeftOperand a, PackedRight b,
-                        float* c, int64_t ldc) {
+                        float* c, int64_t ldc, bool add_c) {
   TORCH_INTERNAL_ASSERT(b.rows >= depth && depth > 0 && ldc >= (n + kPanel - 1) / kPanel * kPanel,
                         "an in-place product of ", n, " columns, depth ", depth, ", row stride ", ldc);
   TORCH_INTERNAL_ASSERT(a.ld == 0 || (padded_rows(m) == m && depth % kDepthMultiple == 0),
@@ -226,7 +241,7 @@ void half_gemm_in_place(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t 
     for (int64_t k0 = 0; k0 < depth; k0 += kMaxDepthPiece) {
       const int64_t piece = std::min(kMaxDepthPiece, depth - k0);
       const uint16_t* right = b.data + packed_index(k0, c0, b.rows, vnni);
-      panel_product(kind, vnni, rows, piece, a.piece(k0, m), a.row_stride(), right, c + c0, ldc, k0 > 0);
+      panel_product(kind, vnni, rows, piece, a.piece(k0, m), a.row_stride(), right, c + c0, ldc, add_c || k0 > 0);
     }
   }
 }

@@ -144,6 +144,9 @@ void pad_rows(const uint16_t* src, int64_t ld, int64_t m, int64_t d, uint16_t* d
 // d .. padded_depth(d).
 void zero_left_padding(int64_t m, int64_t d, uint16_t* dst);
 
+// The rows of such an operand beyond m: zeros, padded_depth(d) columns (its rows r < m hold their own padding).
+void zero_padding_rows(int64_t m, int64_t d, uint16_t* dst);
+
 // A left operand as a product reads it: laid out by left_index (ld 0), or m rows read in place, ld elements apart,
 // when m is a power of two of at least 16 (padded_rows(m) == m: no padding rows to read) and the depth a multiple
 // of kDepthMultiple (no padding columns), such as a chunk of a head's queries.
@@ -176,10 +179,10 @@ inline PackedRight packed_from_row(const uint16_t* packed, int64_t rows, int64_t
 void half_gemm(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, const uint16_t* a, PackedRight b,
                float* c, int64_t ldc, bool add_c, float alpha = 1.0f);
 
-// C = A B as half_gemm without its copy: the kernels write C in place, so C must hold padded_rows(m) rows of at
+// C (+)= A B as half_gemm without its copy: the kernels write C in place, so C must hold padded_rows(m) rows of at
 // least n rounded up to kPanel columns (row stride ldc); what lies beyond m rows and n columns is overwritten.
 void half_gemm_in_place(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, LeftOperand a, PackedRight b,
-                        float* c, int64_t ldc);
+                        float* c, int64_t ldc, bool add_c = false);
 
 // Frees the calling thread's hardware state of the native kernels (AMX tile configuration) when it goes out of
 // scope: one per task of a forward.

@@ -158,12 +158,17 @@ class BackwardChunkRows {
 };
 
 // Where a task puts a chunk's output rows: straight into the output, or, when that is in a half type
-// (out.rounds_to_half), into the task's buffer, rounded into the output by done().
+// (out.rounds_to_half), into the task's buffer, rounded into the output by done(). With half-type products
+// (in.half) the buffer holds padded_rows(chunk) rows of whole panels, which the products of P V add to in place.
 template <typename T>
 class OutputRows {
  public:
   OutputRows(const AttentionInputs<T>& in, const AttentionForwardOutputs<T>& out, int64_t chunk)
-      : in_(in), out_(out), buffer_(out.rounds_to_half ? static_cast<size_t>(chunk * in.d_v) : 0) {}
+      : in_(in),
+        out_(out),
+        ld_(in.half.q != nullptr ? (in.d_v + kPanel - 1) / kPanel * kPanel : in.d_v),
+        buffer_(out.rounds_to_half ? static_cast<size_t>((in.half.q != nullptr ? padded_rows(chunk) : chunk) * ld_)
+                                   : 0) {}
 
   // The rows of head bh from row0 on, with their row stride.
   T* rows(int64_t bh, int64_t row0) {
@@ -171,14 +176,16 @@ class OutputRows {
     row0_ = row0;
     return out_.rounds_to_half ? buffer_.data() : head_row(out_.out, out_.out_stride, in_.heads, bh, row0);
   }
-  int64_t ld() const { return out_.rounds_to_half ? in_.d_v : out_.out_stride.row; }
+  int64_t ld() const { return out_.rounds_to_half ? ld_ : out_.out_stride.row; }
 
   // The chunk's `count` rows are final.
   void done(int64_t count) {
     if constexpr (std::is_same_v<T, float>) {
       if (out_.rounds_to_half && out_.half_out != nullptr) {
-        round_rows(out_.half_out_kind, buffer_.data(), count, in_.d_v,
-                   head_row(out_.half_out, out_.out_stride, in_.heads, bh_, row0_), out_.out_stride.row);
+        uint16_t* rows = head_row(out_.half_out, out_.out_stride, in_.heads, bh_, row0_);
+        for (int64_t r = 0; r < count; ++r) {
+          round_to_half(out_.half_out_kind, buffer_.data() + r * ld_, rows + r * out_.out_stride.row, in_.d_v);
+        }
       }
     }
   }
@@ -186,6 +193,7 @@ class OutputRows {
  private:
   const AttentionInputs<T>& in_;
   const AttentionForwardOutputs<T>& out_;
+  int64_t ld_;
   std::vector<T> buffer_;
   int64_t bh_ = 0, row0_ = 0;
 };
