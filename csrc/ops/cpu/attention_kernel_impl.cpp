@@ -1037,10 +1037,12 @@ void log_sum_exp(const T* max, const T* sum, int64_t n, T* lse) {
 // and the output accumulated so far is rescaled whenever that max grows, so only rows x key_block scores exist
 // at a time and they stay in cache at any Lk. With `narrow`, runs of keys that every row of the chunk hides are
 // skipped (next_block). Returns false when keys were skipped and a row's final max leaves them a weight other
-// than exactly 0 (see skipped_keys_weigh_zero): the caller redoes the chunk over all keys.
+// than exactly 0 (see skipped_keys_weigh_zero): the caller redoes the chunk over all keys. The rows are normalized
+// in place, or, given row_factors, left to the caller to multiply by them (as it rounds them to a half type).
 template <typename T>
 bool online_chunk(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows, int64_t first_row,
-                  const KeySpan& span, bool narrow, OnlineBuffers<T>& buf, T* out_rows, int64_t out_ld, T* lse) {
+                  const KeySpan& span, bool narrow, OnlineBuffers<T>& buf, T* out_rows, int64_t out_ld, T* lse,
+                  T* row_factors) {
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
   std::fill(buf.max.begin(), buf.max.begin() + rows, kNegInf);
   std::fill(buf.sum.begin(), buf.sum.begin() + rows, T(0));
@@ -1095,8 +1097,11 @@ bool online_chunk(const AttentionInputs<T>& in, const Head<T>& head, int64_t row
   bool complete = true;
   log_sum_exp(buf.max.data(), buf.sum.data(), rows, lse);
   for (int64_t r = 0; r < rows; ++r) {
-    if (computed) {
-      scale_row(out_rows + r * out_ld, in.d_v, T(1) / buf.sum[r]);
+    const T factor = computed ? T(1) / buf.sum[r] : T(1);
+    if (row_factors != nullptr) {
+      row_factors[r] = factor;
+    } else if (computed) {
+      scale_row(out_rows + r * out_ld, in.d_v, factor);
     }
     complete = complete && (!skipped || skipped_keys_weigh_zero(buf.max[r]));
   }
@@ -1158,6 +1163,9 @@ void online_forward(const AttentionInputs<T>& in, const AttentionForwardOutputs<
     NonFiniteKeys<T> non_finite(false);
     WidenedHead<T> widened;
     OutputRows<T> output(in, out, chunk);
+    // Rows rounded to a half type are normalized as they are rounded.
+    std::vector<T> factors(output.scales_rows() ? chunk : 0);
+    T* const row_factors = factors.empty() ? nullptr : factors.data();
     for (int64_t begin, end; claim(begin, end);) {
       for (int64_t task = begin; task < end; ++task) {
         const auto [bh, row0, rows, first_row, head] = forward_chunk(in, task, chunks, chunk, widened);
@@ -1167,11 +1175,12 @@ void online_forward(const AttentionInputs<T>& in, const AttentionForwardOutputs<
         // A zero weight times a NaN or infinite value is NaN: no key is skipped inside the span of such a head.
         // Nor in a chunk with a row that sees no key (uniform over all keys: skipping would only cost a redo).
         const bool narrow = span.masked && !span.row_without_key && !non_finite.any(in, head, bh);
-        if (!online_chunk(in, head, row0, rows, first_row, span, narrow, buf, out_rows, out_ld, out.lse + first_row)) {
+        if (!online_chunk(in, head, row0, rows, first_row, span, narrow, buf, out_rows, out_ld, out.lse + first_row,
+                          row_factors)) {
           online_chunk(in, head, row0, rows, first_row, KeySpan{0, in.len_k, head.mask != nullptr}, false, buf,
-                       out_rows, out_ld, out.lse + first_row);
+                       out_rows, out_ld, out.lse + first_row, row_factors);
         }
-        output.done(rows);
+        output.done(rows, row_factors);
       }
     }
   });

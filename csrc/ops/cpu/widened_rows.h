@@ -30,6 +30,19 @@ inline void round_to_half(HalfKind kind, const float* src, uint16_t* dst, int64_
   }
 }
 
+// n fp32 values times `factor`, rounded to the half type H: the product, then one rounding, as scaling the values
+// in place before round_to_half would give.
+template <typename H>
+void round_scaled(const float* src, float factor, H* dst, int64_t n) {
+  using VecF = at::vec::Vectorized<float>;
+  const VecF f(factor);
+  int64_t j = 0;
+  for (; j + 2 * VecF::size() <= n; j += 2 * VecF::size()) {
+    at::vec::convert_from_float<H>(VecF::loadu(src + j) * f, VecF::loadu(src + j + VecF::size()) * f).store(dst + j);
+  }
+  for (; j < n; ++j) dst[j] = static_cast<H>(src[j] * factor);
+}
+
 template <typename H>
 void widen_values(const H* src, float* dst, int64_t n) {
   using VecH = at::vec::Vectorized<H>;
@@ -178,13 +191,24 @@ class OutputRows {
   }
   int64_t ld() const { return out_.rounds_to_half ? ld_ : out_.out_stride.row; }
 
-  // The chunk's `count` rows are final.
-  void done(int64_t count) {
+  // Whether done() can scale the rows (rounding them from the buffer): the chunk may leave that to it.
+  bool scales_rows() const { return out_.rounds_to_half && out_.half_out != nullptr; }
+
+  // The chunk's `count` rows are final, once multiplied by factors[r] where given (scales_rows()).
+  void done(int64_t count, const T* factors = nullptr) {
     if constexpr (std::is_same_v<T, float>) {
-      if (out_.rounds_to_half && out_.half_out != nullptr) {
+      if (scales_rows()) {
         uint16_t* rows = head_row(out_.half_out, out_.out_stride, in_.heads, bh_, row0_);
         for (int64_t r = 0; r < count; ++r) {
-          round_to_half(out_.half_out_kind, buffer_.data() + r * ld_, rows + r * out_.out_stride.row, in_.d_v);
+          const float* src = buffer_.data() + r * ld_;
+          uint16_t* dst = rows + r * out_.out_stride.row;
+          if (factors == nullptr) {
+            round_to_half(out_.half_out_kind, src, dst, in_.d_v);
+          } else if (out_.half_out_kind == HalfKind::kBFloat16) {
+            round_scaled(src, factors[r], reinterpret_cast<at::BFloat16*>(dst), in_.d_v);
+          } else {
+            round_scaled(src, factors[r], reinterpret_cast<at::Half*>(dst), in_.d_v);
+          }
         }
       }
     }
