@@ -62,6 +62,9 @@ constexpr int64_t kOwnForwardUpToKeys = 512;
 // The most keys at which a backward in a half type that torch's kernels multiply on AMX tiles takes fastmha's
 // kernel: torch's backward costs several times more at short lengths, but leads from 1024 keys.
 constexpr int64_t kOwnHalfBackwardOnTilesUpToKeys = 512;
+// The head size at which a bfloat16 forward that both kernels multiply on AMX tiles takes fastmha's kernel (with its
+// products native) without a mask that pays for it.
+constexpr int64_t kOwnHalfForwardOnTilesHeadSize = 64;
 // The fewest query rows per head at which a longer float32 forward with its P V on brgemm takes fastmha's kernel:
 // measured from 1024 (as many queries as keys). Fewer rows (decoding steps, short query blocks) make a new product
 // shape at every length, which past the shapes the process runs on brgemm (cpu/float_gemm.h) multiply on the BLAS
@@ -146,7 +149,14 @@ KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share, 
       return {K::kOwnCpu, type + " forward without AMX tiles for " + type +
                               " in torch's CPU flash kernel: fastmha's kernel is as fast or faster"};
     }
-    if (call.is_causal && !half) {  // half types on AMX tiles stay with torch's
+    if (dtype == at::kBFloat16 && call.query.size(3) == kOwnHalfForwardOnTilesHeadSize && half_on_native()) {
+      // Measured on an Intel Xeon with AMX-BF16 (Emerald Rapids) without a mask: fastmha's native forward took
+      // 0.85-0.96x torch's time at 256-8192 keys with d_k 64 (with is_causal 0.90-0.98x), but 1.01-1.07x with d_k
+      // 128, where torch's stays the default.
+      return {K::kOwnCpu, "bfloat16 forward with a head size of " + std::to_string(kOwnHalfForwardOnTilesHeadSize) +
+                              " in native products: fastmha's kernel is faster than torch's there, also on AMX tiles"};
+    }
+    if (call.is_causal && !half) {  // other half types on AMX tiles stay with torch's
       // Measured on Zen 4 against torch's forward: float32 1.15-1.42x at 128-1024 keys, even at 4096 (d_k 64 and
       // 128); float64 1.03-1.88x at 128-2048 keys.
       return {K::kOwnCpu,

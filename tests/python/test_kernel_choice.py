@@ -97,6 +97,25 @@ def test_causal_forward_without_weights_runs_fastmhas_kernel():
             assert kernel == ("torch-cpu-flash" if on_tiles else "fastmha-cpu"), dtype
 
 
+def test_bfloat16_forward_with_heads_of_64_on_amx_tiles_runs_fastmhas_native_products(monkeypatch):
+    # Where torch multiplies bfloat16 on AMX tiles, fastmha's forward takes over for a head size of 64 when its own
+    # products run natively too (256 query rows or more), with or without is_causal; torch's keeps the rest.
+    if not torch_on_tiles()[torch.bfloat16]:
+        pytest.skip("torch multiplies bfloat16 without AMX tiles here: fastmha's forward runs at any head size")
+    with monkeypatch.context() as patch:
+        patch.setenv("FASTMHA_CPU_HALF_GEMM", "native")
+        q = torch.randn(1, 1, 4, 8, dtype=torch.bfloat16)
+        if "own instructions" not in fastmha.explain(q, q, q, None, 0.0, True).splitlines()[0]:
+            pytest.skip("fastmha multiplies bfloat16 widened here")
+    for lq, d, is_causal, expected in ((256, 64, False, "fastmha-cpu"), (300, 64, True, "fastmha-cpu"),
+                                       (256, 128, False, "torch-cpu-flash"), (255, 64, False, "torch-cpu-flash")):
+        q, k, v = qkv(b=1, h=1, lq=lq, lk=lq, d=d, dtype=torch.bfloat16)
+        kernel, reason = choices(q, k, v, need_weights=False, is_causal=is_causal)["forward"]
+        assert kernel == expected, (lq, d, is_causal, reason)
+        if expected == "fastmha-cpu":
+            assert reason.startswith("bfloat16 forward with a head size of 64 in native products"), reason
+
+
 @pytest.mark.parametrize("dtype,name", [(torch.float16, "float16"), (torch.bfloat16, "bfloat16")])
 def test_half_type_forward_runs_torchs_kernel_only_on_amx_tiles(dtype, name):
     q, k, v = qkv(dtype=dtype)
