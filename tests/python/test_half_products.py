@@ -52,11 +52,15 @@ def mask_cases():
     window = ((cols - rows).abs() <= 12) | (cols < 4)  # runs of keys every row of a chunk hides
     no_key_rows = padding([LK, 30]).expand(B, 1, LQ, LK).clone()
     no_key_rows[1, 0, [0, 40, LQ - 1]] = False  # uniform over all keys (the -1e9 rule)
+    runs_apart = torch.zeros(LQ, LK, dtype=torch.bool)  # one run of keys per row, 70 keys no row sees between
+    runs_apart[: LQ // 2, 5:20] = True
+    runs_apart[LQ // 2:, 90:130] = True
     return {
         "none": None,
         "padding 80%": padding([30, 20]),
         "window and global keys": window,
         "rows with no key": no_key_rows,
+        "runs apart": runs_apart,
     }
 
 

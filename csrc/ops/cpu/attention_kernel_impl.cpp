@@ -413,7 +413,8 @@ Vectorized<T> softmax_exp(const Vectorized<T>& x, bool fast) {
 
 // exp for weights that are rounded to a half type: where `fast`, torch's fast exp meant for results downcast to
 // bfloat16 or float16 (relative error at most 1.1e-4 over [-87, 0], measured: a fourth of float16's rounding; 0
-// below about -87 as softmax_exp), about two thirds of softmax_exp's instructions.
+// below about -87 as softmax_exp), about two thirds of softmax_exp's instructions. The rows' sums, hence the
+// log-sum-exp that the forward returns for the backward, carry that error too (about 1e-4 rather than 1e-6).
 inline Vectorized<float> half_weight_exp(const Vectorized<float>& x, bool fast) {
   return fast ? x.fexp_u20() : x.exp();
 }
@@ -545,6 +546,9 @@ struct KeySpan {
   // Every row of the chunk sees one run of keys, its mask row's extent (RowExtent without holes): the blocks hide
   // the keys outside each row's run without reading the mask (padding, causal and padding & causal masks).
   bool runs = false;
+  // With runs: they all start at lo or all end at hi - 1, so that together they leave no key of [lo, hi) hidden
+  // from every row.
+  bool one_run = false;
   int64_t size() const { return hi - lo; }
 };
 
@@ -588,7 +592,7 @@ KeySpan visible_span(const AttentionInputs<T>& in, const Head<T>& head, int64_t 
   if (col_stride == 0) {  // one value per row, broadcast over the keys: nothing to narrow
     return {0, limit, true};
   }
-  int64_t lo = limit, hi = 0;
+  int64_t lo = limit, hi = 0, latest_first = 0, earliest_last = limit;
   bool holes = false, runs = true;
   const int64_t distinct_rows = in.mask_stride[2] == 0 ? 1 : rows;
   for (int64_t r = 0; r < distinct_rows; ++r) {
@@ -607,6 +611,8 @@ KeySpan visible_span(const AttentionInputs<T>& in, const Head<T>& head, int64_t 
     }
     lo = std::min(lo, first);
     hi = std::max(hi, last + 1);
+    latest_first = std::max(latest_first, first);
+    earliest_last = std::min(earliest_last, last);
     holes = holes || (extent != nullptr ? extent->holes : has_hidden_key(row, col_stride, first, last));
     runs = runs && extent != nullptr && !extent->holes;
   }
@@ -623,7 +629,7 @@ KeySpan visible_span(const AttentionInputs<T>& in, const Head<T>& head, int64_t 
       holes = !row[lo * col_stride] || !row[(hi - 1) * col_stride];
     }
   }
-  return {lo, hi, holes, false, runs};
+  return {lo, hi, holes, false, runs, runs && (latest_first == lo || earliest_last == hi - 1)};
 }
 
 // What hides keys of one row of a block: its mask entries (mask_row, the entry for the block's first key,
@@ -692,7 +698,8 @@ KeySpan visible_run(const AttentionInputs<T>& in, const Head<T>& head, int64_t r
 }
 
 // next_block for a chunk whose rows each see one run of keys (KeySpan::runs), from their extents: it starts at the
-// first key from `from` on that some row sees and ends after the last one some row sees within in.key_block keys.
+// first key from `from` on that some row sees and ends after the last one some row sees within in.key_block keys,
+// or earlier, before a gap of kSplitGap keys or more that every row hides (as next_visible_block's runs).
 template <typename T>
 KeySpan next_run_block(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows, int64_t end,
                        int64_t from) {
@@ -707,9 +714,16 @@ KeySpan next_run_block(const AttentionInputs<T>& in, const Head<T>& head, int64_
   }
   const int64_t limit = std::min(lo + in.key_block, end);
   int64_t hi = lo + 1;
-  for (int64_t r = 0; r < distinct_rows; ++r) {
-    const RowExtent& extent = row_extent(in, head, row0 + r);
-    if (extent.first < limit && extent.last >= lo) hi = std::max(hi, std::min(extent.last + 1, limit));
+  for (bool grew = true; grew;) {  // until no row's run starts within a gap's length of the block's end
+    grew = false;
+    for (int64_t r = 0; r < distinct_rows; ++r) {
+      const RowExtent& extent = row_extent(in, head, row0 + r);
+      const int64_t end_of_run = std::min(extent.last + 1, limit);
+      if (extent.first < std::min(hi + kSplitGap, limit) && extent.last >= lo && end_of_run > hi) {
+        hi = end_of_run;
+        grew = true;
+      }
+    }
   }
   bool masked = false;
   for (int64_t r = 0; r < distinct_rows && !masked; ++r) {
@@ -729,8 +743,11 @@ KeySpan next_block(const AttentionInputs<T>& in, const Head<T>& head, int64_t ro
     return {from, std::min(from + in.key_block, span.hi), span.masked, false, span.runs};
   }
   if (span.runs) {
-    // A span of one block is that block: its first and last keys, and whether a row sees less, are the span's.
-    return from == span.lo && span.size() <= in.key_block ? span : next_run_block(in, head, row0, rows, span.hi, from);
+    // A span of one block without a gap is that block: its first and last keys, and whether a row sees less, are
+    // the span's.
+    return from == span.lo && span.size() <= in.key_block && span.one_run
+               ? span
+               : next_run_block(in, head, row0, rows, span.hi, from);
   }
   return visible_run(in, head, row0, rows, from, span.hi, in.key_block);
 }
@@ -1048,16 +1065,18 @@ bool online_chunk(const AttentionInputs<T>& in, const Head<T>& head, int64_t row
   std::fill(buf.sum.begin(), buf.sum.begin() + rows, T(0));
   bool skipped = span.size() < in.len_k, computed = false;
   // The chunk's query rows as the left operand of its blocks' half-type products: read in place where they need
-  // no padding (a power of two of rows, a head size of whole depth multiples), otherwise padded once.
+  // no padding (a power of two of rows, a head size of whole depth multiples) and their row stride is a power of two
+  // (ATen keeps a kernel for every stride: this keeps them to a few classes), otherwise padded once.
   LeftOperand q_left{nullptr};
   if (head.half_q != nullptr) {
-    const uint16_t* q_rows = head.half_q + row0 * in.half.q_stride.row;
-    if (padded_rows(rows) == rows && in.d_k % kDepthMultiple == 0) {
-      q_left = LeftOperand(q_rows, in.half.q_stride.row);
+    const int64_t ld = in.half.q_stride.row;
+    const uint16_t* q_rows = head.half_q + row0 * ld;
+    if (padded_rows(rows) == rows && in.d_k % kDepthMultiple == 0 && (ld & (ld - 1)) == 0) {
+      q_left = LeftOperand(q_rows, ld);
     } else {
       std::vector<uint16_t>& chunk_q = half_scratch().chunk_q;
       hold_at_least(chunk_q, left_size(rows, padded_depth(in.d_k)));
-      pad_rows(q_rows, in.half.q_stride.row, rows, in.d_k, chunk_q.data());
+      pad_rows(q_rows, ld, rows, in.d_k, chunk_q.data());
       q_left = LeftOperand(chunk_q.data());
     }
   }
@@ -1678,8 +1697,9 @@ void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<
     }
     from = part.hi;
     const int64_t n = part.size(), lo = part.lo;
-    const T* v_part = head.v + lo * in.v_stride.row;
-    const T* k_part = head.k + lo * in.k_stride.row;
+    // Rows of the block in T (none where the products run in the half type).
+    const T* v_part = head.v != nullptr ? head.v + lo * in.v_stride.row : nullptr;
+    const T* k_part = head.k != nullptr ? head.k + lo * in.k_stride.row : nullptr;
     if (kept == nullptr) {
       block_scores(in, head, row0, rows, part, probs.data(), n);
     }

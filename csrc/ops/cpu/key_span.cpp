@@ -12,9 +12,6 @@
 namespace fastmha::cpu {
 namespace {
 
-// Keys that every row hides, at least, for a run to end before them: a shorter gap is computed (masked) rather
-// than split into two products.
-constexpr int64_t kSplitGap = 32;
 constexpr int64_t kVisibleRun = 64;
 constexpr int64_t kScanKeys = 64;
 

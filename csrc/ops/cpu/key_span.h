@@ -40,6 +40,10 @@ int64_t keys_up_to_last_visible(const RowExtent* extents, int64_t row_stride, in
 // Whether some entry of the row strictly between `first` and `last` is false.
 bool has_hidden_key(const bool* row, int64_t stride, int64_t first, int64_t last);
 
+// Keys that every row hides, at least, for a run to end before them: a shorter gap is computed (masked) rather
+// than split into two products.
+constexpr int64_t kSplitGap = 32;
+
 // A run of keys [lo, hi) for a group of query rows; `masked`: some row hides a key inside it.
 struct KeyBlock {
   int64_t lo, hi;
