@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fastmha
+from fastmha.info import cpu_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "python"))
@@ -393,7 +394,7 @@ def main():
     meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "fastmha": fastmha.__version__,
             "threads": torch.get_num_threads(), "device": args.device, "cpu_kernels": fastmha._C.cpu_capability(),
             "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None}
+            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "cpu": cpu_lines()}
     print(json.dumps(meta))
     rows = []
     if args.memory_only:
@@ -418,7 +419,9 @@ def main():
     csv_path = write_results(rows, args.out, stamp, meta)
     plot(rows, args.out / f"{stamp}.png", f"fastmha {meta['fastmha']} | torch {meta['torch']} | {args.device} "
          f"{meta['cpu_kernels']} | {meta['threads']} threads | {meta['date']}")
-    (args.out / f"{stamp}.md").write_text(markdown_table(rows) + "\n")
+    stamp_lines = [f"- fastmha {meta['fastmha']} | torch {meta['torch']} | {meta['threads']} threads | {meta['date']}",
+                   *(f"- {line}" for line in meta["cpu"])]
+    (args.out / f"{stamp}.md").write_text("\n".join(stamp_lines) + "\n\n" + markdown_table(rows) + "\n")
     print(f"\nwrote {csv_path} (+ .json, .png, .md)\n")
     print(markdown_table(rows))
 

@@ -51,6 +51,8 @@ def test_bench_quick_run_times_every_peer_and_writes_every_result_file(tmp_path)
     assert len(rows) == 3 and all(r[f"t_{peer}_ms"] > 0 for r in rows for peer in peers)
     assert all(r["speedup_bound_vs_oracle"] == pytest.approx(r["t_oracle_ms"] / r["t_bound_ms"]) for r in rows)
     assert "bound vs oracle" in stems[".md"].read_text()
+    assert any(line.startswith("cpu isa:") for line in json.loads(stems[".json"].read_text())["meta"]["cpu"])
+    assert "- cpu isa:" in stems[".md"].read_text()
 
 
 def test_bench_kernel_choice_quick_run_with_fewer_queries(tmp_path):
