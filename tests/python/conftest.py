@@ -38,9 +38,11 @@ def cpu_flags():
 
 
 def torch_on_tiles():
-    """Whether torch's CPU kernels (and oneDNN's products) multiply each dtype on AMX tiles on this CPU."""
+    """Whether torch's CPU kernels multiply each dtype on AMX tiles on this CPU (with torch's AVX512 kernels: below,
+    ATEN_CPU_CAPABILITY lowered, they do not)."""
     flags = cpu_flags()
-    return {torch.bfloat16: "amx_bf16" in flags, torch.float16: "amx_fp16" in flags,
+    avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+    return {torch.bfloat16: avx512 and "amx_bf16" in flags, torch.float16: avx512 and "amx_fp16" in flags,
             torch.float32: False, torch.float64: False}
 
 

@@ -6,6 +6,10 @@ masks of any dtype and broadcast shape, rows with no visible key (uniform over a
 A forward and its backward may run on different kernels (the saved log-sum-exp means the same for both).
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import assert_close, torch_on_tiles
@@ -114,6 +118,27 @@ def test_bfloat16_forward_with_heads_of_64_on_amx_tiles_runs_fastmhas_native_pro
         assert kernel == expected, (lq, d, is_causal, reason)
         if expected == "fastmha-cpu":
             assert reason.startswith("bfloat16 forward with a head size of 64 in native products"), reason
+
+
+def test_lowered_cpu_capability_keeps_half_types_off_torchs_tiles():
+    # Below AVX512 (ATEN_CPU_CAPABILITY=avx2) torch's flash kernel still asks whether to pack bfloat16 for AMX tiles,
+    # then fails to ("pack_vnni2 is only supported when avx512 is supported"): such calls run fastmha's kernel.
+    code = """
+import torch, fastmha
+q = torch.randn(2, 4, 64, 16, dtype=torch.bfloat16, requires_grad=True)
+mask = torch.ones(2, 1, 1, 64, dtype=torch.bool)
+mask[..., 40:] = False
+print(fastmha.explain(q, q, q, mask, 0.0, False))
+out = torch.ops.fastmha.attention(q, q, q, mask, 0.0, False, False)[0]
+out.sum().backward()
+print(bool(torch.isfinite(out).all() and torch.isfinite(q.grad).all()))
+"""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("forward fastmha-cpu") and lines[1].startswith("backward fastmha-cpu"), lines
+    assert lines[-1] == "True"
 
 
 @pytest.mark.parametrize("dtype,name", [(torch.float16, "float16"), (torch.bfloat16, "bfloat16")])

@@ -1,5 +1,6 @@
 #include "ops/cpu/cpu_capability.h"
 
+#include <ATen/Version.h>
 #include <ATen/native/CPUBlas.h>
 
 #include <cstdlib>
@@ -84,7 +85,11 @@ bool torch_half_on_tiles(c10::ScalarType dtype) {
   if (dtype != c10::kBFloat16 && dtype != c10::kHalf) {
     return false;
   }
-  return at::native::cpublas::could_pack(dtype);
+  // Below AVX512 (ATEN_CPU_CAPABILITY lowered on an AMX machine) torch's flash kernels still ask could_pack, then
+  // refuse to pack ("pack_vnni2 is only supported when avx512 is supported"): no tiles for them, and fastmha's
+  // kernel takes those calls.
+  static const bool avx512 = at::get_cpu_capability() == "AVX512";
+  return avx512 && at::native::cpublas::could_pack(dtype);
 }
 
 }  // namespace fastmha::cpu

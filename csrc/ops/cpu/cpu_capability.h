@@ -24,7 +24,8 @@ bool native_products(c10::ScalarType dtype);
 // them when ATen's cpublas::could_pack says so (which also follows torch.backends.mkldnn, so it is asked at every
 // call), and then run several times faster than on AVX512-BF16 dot products or widened, where they are no faster
 // than in float32. torch's kernel may still skip the tiles for some shapes (small head counts or head sizes that
-// are not multiples of 64); the choice does not model that.
+// are not multiples of 64); the choice does not model that. Never with torch's CPU capability below AVX512, where its
+// kernels fail to pack for them.
 bool torch_half_on_tiles(c10::ScalarType dtype);
 // The L2 cache of one core in bytes, as the C library reports it (1 MiB when it reports nothing).
 int64_t l2_cache_bytes();
