@@ -337,8 +337,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
     }
     if (half) {
       in.half = half_inputs.view(choice.half_products_vnni);
-      grads.half_grad_out = grads.source_grad_out;
-      grads.half_grad_out_stride = strides3(grad_out);
     } else if (widen_in_tasks) {
       in.widen_in_tasks = true;
     }

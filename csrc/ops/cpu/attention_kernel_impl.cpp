@@ -619,15 +619,14 @@ KeySpan visible_span(const AttentionInputs<T>& in, const Head<T>& head, int64_t 
   if (lo >= hi) {
     return {0, in.len_k, true};
   }
-  // Rows with a narrower range than the union see masked keys at the span's edges.
-  for (int64_t r = 0; r < distinct_rows && !holes; ++r) {
-    if (runs) {
-      const RowExtent& extent = row_extent(in, head, row0 + r);
-      holes = extent.first > lo || extent.last < hi - 1;
-    } else {
-      const bool* row = head.mask + (row0 + r) * in.mask_stride[2];
-      holes = !row[lo * col_stride] || !row[(hi - 1) * col_stride];
-    }
+  // Rows with a narrower range than the union see masked keys at the span's edges: with runs, a row whose run
+  // starts after lo or ends before hi - 1.
+  if (runs) {
+    holes = latest_first > lo || earliest_last < hi - 1;
+  }
+  for (int64_t r = 0; r < distinct_rows && !holes && !runs; ++r) {
+    const bool* row = head.mask + (row0 + r) * in.mask_stride[2];
+    holes = !row[lo * col_stride] || !row[(hi - 1) * col_stride];
   }
   return {lo, hi, holes, false, runs, runs && (latest_first == lo || earliest_last == hi - 1)};
 }
@@ -663,7 +662,7 @@ void hide_keys(T* s, int64_t n, T scale, const RowHiding& hiding) {
   if (hiding.mask_row != nullptr) {
     masked_scaled(s, n, scale, hiding.mask_row, hiding.col_stride);
   } else if (scale != T(1)) {
-    for (int64_t j = 0; j < n; ++j) s[j] *= scale;
+    scale_row(s, n, scale);
   }
   const int64_t from = std::clamp<int64_t>(hiding.from, 0, n);
   std::fill(s, s + from, T(kMaskedScore));
@@ -704,10 +703,12 @@ template <typename T>
 KeySpan next_run_block(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0, int64_t rows, int64_t end,
                        int64_t from) {
   const int64_t distinct_rows = in.mask_rows_stride[2] == 0 ? 1 : rows;
-  int64_t lo = end;
+  int64_t lo = end, latest_first = 0, earliest_last = end;
   for (int64_t r = 0; r < distinct_rows; ++r) {
     const RowExtent& extent = row_extent(in, head, row0 + r);
     if (extent.last >= from) lo = std::min(lo, std::max(extent.first, from));
+    latest_first = std::max(latest_first, extent.first);
+    earliest_last = std::min(earliest_last, extent.last);
   }
   if (lo >= end) {
     return {end, end, false};
@@ -725,12 +726,8 @@ KeySpan next_run_block(const AttentionInputs<T>& in, const Head<T>& head, int64_
       }
     }
   }
-  bool masked = false;
-  for (int64_t r = 0; r < distinct_rows && !masked; ++r) {
-    const RowExtent& extent = row_extent(in, head, row0 + r);
-    masked = extent.first > lo || extent.last < hi - 1;
-  }
-  return {lo, hi, masked, false, true};
+  // Some row hides a key of the block: its run starts after lo or ends before hi - 1.
+  return {lo, hi, latest_first > lo || earliest_last < hi - 1, false, true};
 }
 
 // The next block of a chunk's span from key `from`: in.key_block keys, or, with `narrow` and a mask to read, the
@@ -1658,8 +1655,9 @@ void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<
   T* grad_q = chunk_rows.grad_q;
   const int64_t ld_grad_out = chunk_rows.ld_grad_out, ld_grad_q = chunk_rows.ld_grad_q;
   const int64_t ld_grad_k = g.grad_k.stride.row, ld_grad_v = g.grad_v.stride.row;
+  // dO rows in the half type, for the half-type products.
   const uint16_t* half_grad_out =
-      g.half_grad_out ? head_row(g.half_grad_out, g.half_grad_out_stride, in.heads, bh, row0) : nullptr;
+      in.half.q != nullptr ? head_row(g.source_grad_out, g.grad_out_stride, in.heads, bh, row0) : nullptr;
   // dO rows all zero (padded queries that the loss ignores): dP = 0 and D = sum_j P_j dP_j = 0, so dS = 0.
   // The chunk adds nothing to dK and dV and its dQ rows are zero, unless 0 * inf makes NaN: a non-finite
   // Q row, key, value or log-sum-exp (P = exp(S - lse)).
@@ -1687,7 +1685,7 @@ void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<
   const KeySpan span = chunk_span(in, head, bh, row0, rows, non_finite, !may_skip);
   const bool narrow = may_skip && span.masked && !non_finite.any(in, head, bh);
   if (in.half.q != nullptr) {
-    half_chunk_rows(in, half_grad_out, g.half_grad_out_stride.row, head, row0, rows);
+    half_chunk_rows(in, half_grad_out, g.grad_out_stride.row, head, row0, rows);
   }
   bool computed = false;
   for (int64_t from = span.lo; from < span.hi;) {
@@ -1704,7 +1702,7 @@ void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<
       block_scores(in, head, row0, rows, part, probs.data(), n);
     }
     if (in.half.q != nullptr) {
-      half_grad_weights(in, half_grad_out, g.half_grad_out_stride.row, head, rows, lo, n, grad_w.data());
+      half_grad_weights(in, half_grad_out, g.grad_out_stride.row, head, rows, lo, n, grad_w.data());
     } else {
       gemm<T>(false, true, rows, n, in.d_v, T(1), grad_out, ld_grad_out, v_part, in.v_stride.row, T(0), grad_w.data(),
               n);

@@ -101,12 +101,9 @@ struct AttentionBackwardTensors {
   PartialGradients<T> grad_k, grad_v;
   int64_t splits;  // query-chunk ranges per head processed in parallel
   Strides3 grad_out_stride, out_stride, grad_q_stride;
-  // grad_out in the half type when the blocked backward's products run in it (AttentionInputs::half), or nullptr
-  const uint16_t* half_grad_out = nullptr;
-  Strides3 half_grad_out_stride{};
-  // The blocked backward's dO, O and dQ in a half type (with half-type products or tasks that widen): dO and O rows
-  // are widened a chunk at a time and dQ rows rounded (laid out by grad_out_stride, out_stride and grad_q_stride);
-  // grad_out, out and grad_q are then nullptr. T = float only.
+  // The blocked backward's dO, O and dQ in a half type (with half-type products, which also read dO so, or tasks
+  // that widen): dO and O rows are widened a chunk at a time and dQ rows rounded (laid out by grad_out_stride,
+  // out_stride and grad_q_stride); grad_out, out and grad_q are then nullptr. T = float only.
   const uint16_t* source_grad_out = nullptr;
   const uint16_t* source_out = nullptr;
   uint16_t* half_grad_q = nullptr;
