@@ -7,7 +7,11 @@
 
 #include <vector>
 
+#include "ops/cpu/cpu_capability.h"
 #include "ops/cpu/half_gemm.h"
+#ifdef FASTMHA_CPU_X86
+#include "ops/cpu/half_packing_avx512.h"
+#endif
 
 namespace {
 
@@ -72,24 +76,46 @@ TEST_CASE("Panels of 64 columns, the VNNI layout interleaving pairs of rows", "[
   CHECK(fastmha::cpu::left_index(2, 515, 20) == (32 + 2) * 512 + 3);  // the second piece of 512 columns
 }
 
-TEST_CASE("Packed right operands hold the keys transposed and the values as rows, zeros beyond", "[half gemm]") {
-  const auto dtype = GENERATE(at::kBFloat16, at::kHalf);
-  const bool vnni = GENERATE(false, true);
-  const int64_t d = GENERATE(20, 21);  // pairs of elements as words, or one element at a time
-  const int64_t n = 77, ld = 24;       // rows of d elements, 24 apart: two panels of keys
+namespace {
+
+using Packer = void (*)(const uint16_t*, int64_t, int64_t, int64_t, bool, uint16_t*);
+
+// pack_transposed and pack_rows of n rows of d elements, ld apart, against the layout read back element by element.
+void check_packers(Packer transposed, Packer rows_of, at::ScalarType dtype, bool vnni, int64_t n, int64_t d,
+                   int64_t ld) {
   const auto rows = at::randn({n, ld}).to(dtype);
   const auto bits = bits_of(rows);
   const auto dense = rows.narrow(1, 0, d).to(at::kFloat);
 
   const int64_t depth_d = fastmha::cpu::padded_depth(d);
   std::vector<uint16_t> keys(static_cast<size_t>(fastmha::cpu::packed_size(depth_d, n)), 0xFFFF);
-  fastmha::cpu::pack_transposed(bits.data(), ld, n, d, vnni, keys.data());
+  transposed(bits.data(), ld, n, d, vnni, keys.data());
   CHECK(at::equal(unpack(keys, depth_d, n, vnni, dtype), zero_rows_to(dense.t().contiguous(), depth_d)));
 
   const int64_t depth_n = fastmha::cpu::padded_depth(n);
   std::vector<uint16_t> values(static_cast<size_t>(fastmha::cpu::packed_size(depth_n, d)), 0xFFFF);
-  fastmha::cpu::pack_rows(bits.data(), ld, n, d, vnni, values.data());
+  rows_of(bits.data(), ld, n, d, vnni, values.data());
   CHECK(at::equal(unpack(values, depth_n, d, vnni, dtype), zero_rows_to(dense, depth_n)));
+}
+
+}  // namespace
+
+TEST_CASE("Packed right operands hold the keys transposed and the values as rows, zeros beyond", "[half gemm]") {
+  const auto dtype = GENERATE(at::kBFloat16, at::kHalf);
+  const bool vnni = GENERATE(false, true);
+  // Pairs of elements as words or an odd last one; two panels of keys, a part of a group of 16, one key; head
+  // sizes of one and more panels; rows further apart than their elements.
+  const auto [n, d, ld] = GENERATE(table<int64_t, int64_t, int64_t>(
+      {{77, 20, 24}, {77, 21, 24}, {1, 64, 64}, {16, 2, 3}, {130, 128, 512}, {33, 65, 65}, {5, 1, 1}}));
+  CAPTURE(dtype, vnni, n, d, ld);
+  // Whichever packer this CPU runs, and each implementation by itself.
+  check_packers(fastmha::cpu::pack_transposed, fastmha::cpu::pack_rows, dtype, vnni, n, d, ld);
+  check_packers(fastmha::cpu::portable::pack_transposed, fastmha::cpu::portable::pack_rows, dtype, vnni, n, d, ld);
+#ifdef FASTMHA_CPU_X86
+  if (fastmha::cpu::capability() == fastmha::cpu::Capability::AVX512 && fastmha::cpu::avx512::packs(ld, d)) {
+    check_packers(fastmha::cpu::avx512::pack_transposed, fastmha::cpu::avx512::pack_rows, dtype, vnni, n, d, ld);
+  }
+#endif
 }
 
 TEST_CASE("Left operands have padded rows and depth, zeros beyond, in pieces of 512 columns", "[half gemm]") {

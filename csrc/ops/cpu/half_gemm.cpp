@@ -13,9 +13,37 @@
 #include <vector>
 
 #include "ops/cpu/cpu_capability.h"
+#ifdef FASTMHA_CPU_X86
+#include "ops/cpu/half_packing_avx512.h"
+#endif
 
 namespace fastmha::cpu {
 namespace {
+
+// Whether the AVX-512 packers and panel stores run (the processor runs fastmha's AVX512 kernels).
+bool avx512_moves() {
+#ifdef FASTMHA_CPU_X86
+  return capability() == Capability::AVX512;
+#else
+  return false;
+#endif
+}
+
+using Packer = void (*)(const uint16_t*, int64_t, int64_t, int64_t, bool, uint16_t*);
+#ifdef FASTMHA_CPU_X86
+constexpr Packer kFastTransposed = avx512::pack_transposed, kFastRows = avx512::pack_rows;
+#else
+constexpr Packer kFastTransposed = nullptr, kFastRows = nullptr;
+#endif
+
+// `fast` (an AVX-512 packer) where it runs and takes operands of row stride ld and d elements, else `portable`.
+Packer packer(Packer fast, Packer portable, int64_t ld, int64_t d) {
+#ifdef FASTMHA_CPU_X86
+  return avx512_moves() && avx512::packs(ld, d) ? fast : portable;
+#else
+  return portable;
+#endif
+}
 
 uint16_t half_bits(HalfKind kind, float x) { return kind == HalfKind::kBFloat16 ? c10::BFloat16(x).x : c10::Half(x).x; }
 
@@ -134,6 +162,16 @@ HalfProducts choose_half_products(at::ScalarType dtype, HalfGemmMode mode, bool 
 }
 
 void pack_transposed(const uint16_t* src, int64_t ld, int64_t n, int64_t d, bool vnni, uint16_t* dst) {
+  packer(kFastTransposed, portable::pack_transposed, ld, d)(src, ld, n, d, vnni, dst);
+}
+
+void pack_rows(const uint16_t* src, int64_t ld, int64_t n, int64_t d, bool vnni, uint16_t* dst) {
+  packer(kFastRows, portable::pack_rows, ld, d)(src, ld, n, d, vnni, dst);
+}
+
+namespace portable {
+
+void pack_transposed(const uint16_t* src, int64_t ld, int64_t n, int64_t d, bool vnni, uint16_t* dst) {
   const int64_t depth = padded_depth(d);
   std::fill(dst, dst + packed_size(depth, n), uint16_t{0});
   for (int64_t j = 0; j < n; ++j) {
@@ -163,6 +201,8 @@ void pack_rows(const uint16_t* src, int64_t ld, int64_t n, int64_t d, bool vnni,
     }
   }
 }
+
+}  // namespace portable
 
 namespace {
 
@@ -211,6 +251,10 @@ void half_gemm(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, co
     for (int64_t r = 0; r < m && !add_c; ++r) std::fill(c + r * ldc, c + r * ldc + n, 0.0f);
     return;
   }
+  if (alpha == 1.0f && padded_rows(m) == m && n % kPanel == 0) {  // C has every row and column the kernel writes
+    half_gemm_in_place(kind, vnni, m, n, depth, a, b, c, ldc, add_c);
+    return;
+  }
   thread_local std::vector<float> panel_out;  // one panel of C for all padded rows
   const int64_t rows = padded_rows(m);
   hold_at_least(panel_out, rows * kPanel);
@@ -218,6 +262,12 @@ void half_gemm(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, co
     const int64_t width = std::min(kPanel, n - c0);
     half_gemm_in_place(kind, vnni, m, width, depth, a, {b.data + packed_index(0, c0, b.rows, vnni), b.rows},
                        panel_out.data(), kPanel);
+#ifdef FASTMHA_CPU_X86
+    if (avx512_moves()) {
+      avx512::store_panel(panel_out.data(), m, width, c + c0, ldc, add_c, alpha);
+      continue;
+    }
+#endif
     for (int64_t r = 0; r < m; ++r) {
       const float* from = panel_out.data() + r * kPanel;
       float* to = c + r * ldc + c0;

@@ -125,6 +125,12 @@ void pack_transposed(const uint16_t* src, int64_t ld, int64_t n, int64_t d, bool
 // and d columns, zeros elsewhere in its packed_size. For O = P V with src = a block of values.
 void pack_rows(const uint16_t* src, int64_t ld, int64_t n, int64_t d, bool vnni, uint16_t* dst);
 
+// The two above in portable C++, for processors without AVX-512 (and to check the AVX-512 versions against).
+namespace portable {
+void pack_transposed(const uint16_t* src, int64_t ld, int64_t n, int64_t d, bool vnni, uint16_t* dst);
+void pack_rows(const uint16_t* src, int64_t ld, int64_t n, int64_t d, bool vnni, uint16_t* dst);
+}  // namespace portable
+
 // Where element (row r, column k) of a left operand of m rows lives: in piece k / kMaxDepthPiece (padded_rows(m)
 // rows of kMaxDepthPiece elements each, so that every call sees the same row stride), at (r, k % kMaxDepthPiece).
 inline int64_t left_index(int64_t r, int64_t k, int64_t m) {
