@@ -62,6 +62,9 @@ constexpr int64_t kOwnForwardUpToKeys = 512;
 // The most keys at which a backward in a half type that torch's kernels multiply on AMX tiles takes fastmha's
 // kernel: torch's backward costs several times more at short lengths, but leads from 1024 keys.
 constexpr int64_t kOwnHalfBackwardOnTilesUpToKeys = 512;
+// The head size at which a half-type backward over more keys than that takes fastmha's kernel with its products
+// native where torch's kernels multiply on AMX tiles (with d_k 128 torch's stays ahead).
+constexpr int64_t kOwnHalfBackwardOnTilesHeadSize = 64;
 // The head size at which a bfloat16 forward that both kernels multiply on AMX tiles takes fastmha's kernel (with its
 // products native) without a mask that pays for it.
 constexpr int64_t kOwnHalfForwardOnTilesHeadSize = 64;
@@ -188,10 +191,19 @@ KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share, 
     // Measured on an Intel Xeon with AMX-BF16 (bfloat16, fastmha's products native from 256 keys): fastmha's
     // backward took 0.26-0.42x torch's time at 128 keys, 0.65-0.78x at 256 and 0.88-0.95x at 512 (d_k 64 and 128),
     // but 1.04-1.21x at 1024-4096 keys, where torch's kernel keeps its AMX tiles busier.
-    if (call.key.size(2) > kOwnHalfBackwardOnTilesUpToKeys) {
+    // With d_k 64 and its products native (packing and stores in AVX-512), forward + backward with fastmha's
+    // forward and backward ran 1.07-1.10x SDPA's speed at 1024-2048 keys, 1.02x at 4096, 1.03x at 8192 (torch's
+    // backward behind the layer: 0.98-1.00x).
+    const bool own_heads = call.query.size(3) == kOwnHalfBackwardOnTilesHeadSize && half_on_native();
+    if (call.key.size(2) > kOwnHalfBackwardOnTilesUpToKeys && !own_heads) {
       return {K::kStockCpu,
               "backward in a half type torch's CPU flash kernel multiplies on AMX tiles, over more than " +
                   std::to_string(kOwnHalfBackwardOnTilesUpToKeys) + " keys"};
+    }
+    if (call.key.size(2) > kOwnHalfBackwardOnTilesUpToKeys) {
+      return {K::kOwnCpu, "backward with a head size of " + std::to_string(kOwnHalfBackwardOnTilesHeadSize) +
+                              " in native products: fastmha's kernel is as fast as torch's or faster, also on AMX "
+                              "tiles"};
     }
     return {K::kOwnCpu, "backward over at most " + std::to_string(kOwnHalfBackwardOnTilesUpToKeys) +
                             " keys: fastmha's kernel is faster than torch's there, also on AMX tiles"};

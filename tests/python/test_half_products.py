@@ -252,19 +252,23 @@ def test_native_without_the_instructions_widens(monkeypatch, dtype):
 
 
 @pytest.mark.parametrize("dtype", HALF_TYPES)
-def test_auto_multiplies_natively_from_256_rows_and_keys_a_row_computes(monkeypatch, dtype):
+def test_auto_multiplies_natively_from_enough_rows_and_keys_a_row_computes(monkeypatch, dtype):
     # The default: native products where the CPU has them once a head has 256 query rows or more and they
     # multiply 256 keys or more (the keys a padding mask leaves), widened below (and on every other CPU). Where the
     # products run on AMX tiles, a forward without kept weights multiplies natively at any key count and a
-    # backward from 96 keys.
+    # backward from 96 keys; the forward also from 128 query rows if padding them to a power of two adds at most an
+    # eighth.
     native = native_products(dtype)
     tiles = {torch.bfloat16: "amx_bf16", torch.float16: "amx_fp16"}[dtype] in cpu_flags()  # oneDNN's, as ATen packs
     few_keys_forward = "native" if tiles else "widen"
+    few_rows_forward = "native" if tiles else "widen"
     few_keys_backward = "native" if tiles else "widen"
     fewest_backward_keys = 96 if tiles else 256
     monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
     cases = ((256, 255, None, few_keys_forward, few_keys_backward, "keys"), (256, 256, None, "native", "native", ""),
-             (255, 600, None, "widen", "widen", "rows"), (256, 600, 100, few_keys_forward, few_keys_backward, "keys"),
+             (255, 600, None, few_rows_forward, "widen", "rows"), (128, 600, None, few_rows_forward, "widen", "rows"),
+             (192, 600, None, "widen", "widen", "rows"), (127, 600, None, "widen", "widen", "rows"),
+             (256, 600, 100, few_keys_forward, few_keys_backward, "keys"),
              (256, 600, 95, few_keys_forward, "widen", "keys"), (256, 600, 400, "native", "native", ""))
     for lq, lk, visible, forward, backward, fewer in cases:
         forward, backward = (forward, backward) if native else ("widen", "widen")

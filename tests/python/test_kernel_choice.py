@@ -103,7 +103,8 @@ def test_causal_forward_without_weights_runs_fastmhas_kernel():
 
 def test_bfloat16_forward_with_heads_of_64_on_amx_tiles_runs_fastmhas_native_products(monkeypatch):
     # Where torch multiplies bfloat16 on AMX tiles, fastmha's forward takes over for a head size of 64 when its own
-    # products run natively too (256 query rows or more), with or without is_causal; torch's keeps the rest.
+    # products run natively too (256 query rows or more, or 128-255 that padding to a power of two grows by at most
+    # an eighth), with or without is_causal; torch's keeps the rest.
     if not torch_on_tiles()[torch.bfloat16]:
         pytest.skip("torch multiplies bfloat16 without AMX tiles here: fastmha's forward runs at any head size")
     with monkeypatch.context() as patch:
@@ -112,7 +113,9 @@ def test_bfloat16_forward_with_heads_of_64_on_amx_tiles_runs_fastmhas_native_pro
         if "own instructions" not in fastmha.explain(q, q, q, None, 0.0, True).splitlines()[0]:
             pytest.skip("fastmha multiplies bfloat16 widened here")
     for lq, d, is_causal, expected in ((256, 64, False, "fastmha-cpu"), (300, 64, True, "fastmha-cpu"),
-                                       (256, 128, False, "torch-cpu-flash"), (255, 64, False, "torch-cpu-flash")):
+                                       (256, 128, False, "torch-cpu-flash"), (255, 64, False, "fastmha-cpu"),
+                                       (128, 64, False, "fastmha-cpu"), (192, 64, False, "torch-cpu-flash"),
+                                       (127, 64, False, "torch-cpu-flash")):
         q, k, v = qkv(b=1, h=1, lq=lq, lk=lq, d=d, dtype=torch.bfloat16)
         kernel, reason = choices(q, k, v, need_weights=False, is_causal=is_causal)["forward"]
         assert kernel == expected, (lq, d, is_causal, reason)
@@ -202,6 +205,22 @@ def test_backward_kernel_depends_on_amx_tiles_for_half_types_beyond_512_keys(lk)
                     "backward in a half type torch's CPU flash kernel multiplies on AMX tiles, over more than 512 keys"
                     if lk > 512 else
                     "backward over at most 512 keys: fastmha's kernel is faster than torch's there, also on AMX tiles")
+
+
+def test_half_backward_with_heads_of_64_in_native_products_stays_with_fastmha_beyond_512_keys():
+    # On AMX tiles torch's backward takes over beyond 512 keys, except for heads of 64 whose products fastmha runs
+    # natively (256 query rows or more in a backward).
+    if not torch_on_tiles()[torch.bfloat16]:
+        pytest.skip("torch multiplies bfloat16 without AMX tiles here")
+    q = torch.randn(1, 1, 256, 64, dtype=torch.bfloat16)
+    if "own instructions" not in fastmha.explain(q, q, q, None, 0.0, False).splitlines()[1]:
+        pytest.skip("fastmha's backward multiplies bfloat16 widened here")
+    for lq, d, expected in ((256, 64, "fastmha-cpu"), (256, 128, "torch-cpu-flash"), (255, 64, "torch-cpu-flash")):
+        q, k, v = qkv(b=1, h=1, lq=lq, lk=600, d=d, dtype=torch.bfloat16)
+        kernel, reason = choices(q, k, v, need_weights=False)["backward"]
+        assert kernel == expected, (lq, d, reason)
+        if expected == "fastmha-cpu":
+            assert reason.startswith("backward with a head size of 64 in native products"), reason
 
 
 def test_cases_torchs_kernel_cannot_serve_stay_with_fastmha(monkeypatch):

@@ -138,3 +138,21 @@ def test_rejected_calls_leave_no_memory_behind():
             torch.ops.fastmha.attention(q, q, q, None, 1.5)
     gc.collect()
     assert rss_kib() - before < 10 * 1024, "RSS grew by more than 10 MiB over 4000 rejected calls"
+
+
+@pytest.mark.parametrize("kernels", ["stock", "own"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_saved_log_sum_exp_is_the_scaled_scores_with_nan_where_one_is_infinite(monkeypatch, kernels, dtype):
+    # The forward saves each row's log-sum-exp of the scaled scores, whichever kernel ran, in the query's (B, H, Lq)
+    # order whatever the inputs' layout; a row with a +inf score gets NaN (its weights are inf / inf), not +inf.
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", kernels)
+    q, k, v = (torch.randn(2, n, 3, 16, dtype=dtype).transpose(1, 2) for n in (5, 7, 7))  # heads interleaved
+    q[0, 1, 3] = q[0, 1, 3].abs()
+    k[0, 1, 2, :] = float("inf")
+    _, _, lse, _ = torch.ops.fastmha._attention_forward(q, k, v, None, 0.0, False, False)
+    scores = q.double() @ k.double().transpose(-2, -1) / 4.0
+    want = torch.logsumexp(scores, -1)
+    want = torch.where(want == float("inf"), float("nan"), want)
+    assert lse.shape == (2, 3, 5) and lse.is_contiguous()
+    assert lse[0, 1, 3].isnan() and torch.isfinite(lse[1]).all()
+    torch.testing.assert_close(lse.double(), want, equal_nan=True, atol=2e-3, rtol=1e-3)

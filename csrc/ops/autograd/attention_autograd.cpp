@@ -75,6 +75,14 @@ std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& query, c
   if (detail::takes_forward_ad({query, key, value, mask.value_or(at::Tensor())})) {
     return detail::attention_with_tangents(query, key, value, mask, dropout_p, need_weights, is_causal);
   }
+  if (!at::GradMode::is_enabled() || !(query.requires_grad() || key.requires_grad() || value.requires_grad())) {
+    // Nothing to differentiate: the forward alone, without a Function's context and saved tensors (their cost
+    // shows on short calls).
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [output, weights, logsumexp, rng_state] =
+        detail::attention_forward(query, key, value, mask_to_save(mask, query), dropout_p, need_weights, is_causal);
+    return {output, need_weights ? weights : at::empty({0}, query.options())};
+  }
   auto outputs = AttentionFunction::apply(query, key, value, mask, dropout_p, need_weights, is_causal);
   return {outputs[0], need_weights ? outputs[1] : at::empty({0}, query.options())};
 }

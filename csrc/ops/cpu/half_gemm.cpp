@@ -140,11 +140,12 @@ HalfProducts choose_half_products(at::ScalarType dtype, HalfGemmMode mode, bool 
       if (!native_half_products(dtype)) {
         return widened(no_native);
       }
-      if (rows < kNativeFromRows) {
+      const bool tiles = at::native::cpublas::could_pack(dtype);
+      const bool few_padded = 8 * (padded_rows(rows) - rows) <= rows;
+      if (rows < kNativeFromRows && !(online && tiles && rows >= kNativeOnlineOnTilesFromRows && few_padded)) {
         return widened(": fewer than " + std::to_string(kNativeFromRows) +
                        " query rows, where native products pay less than widening");
       }
-      const bool tiles = at::native::cpublas::could_pack(dtype);
       const int64_t fewest = !tiles    ? kNativeFromKeys
                              : online  ? 0
                              : forward ? kNativeFromKeys

@@ -67,6 +67,10 @@ constexpr int64_t kNativeBackwardOnTilesFromKeys = 96;
 // blocks) the native forward over 1024-4096 keys took 9-10x the widened one's time on Zen 4 at 1 row, 2.6-2.7x at
 // 32 and 1.25-1.37x at 128 rows; 0.91-1.01x at 256 rows (forward + backward 0.72-0.81x).
 constexpr int64_t kNativeFromRows = 256;
+// The same for a forward without kept weights where the products run on AMX tiles, with at most an eighth of the
+// rows padding (rows are padded to a power of two): on an Intel Xeon with AMX-BF16 its native bfloat16 forward at
+// 128 query rows and keys (d_k 64) took 0.91x torch's time; at 192 rows (a quarter padding) 1.15x, at 64 rows 2.2x.
+constexpr int64_t kNativeOnlineOnTilesFromRows = 128;
 
 // Whether oneDNN multiplies `dtype` natively on this CPU with right operands in the VNNI layout: bfloat16 with
 // AVX512-BF16 or AMX, float16 with AMX-FP16 (AVX512-FP16 alone takes a plain layout there), checked once by a

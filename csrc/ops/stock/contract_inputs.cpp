@@ -1,6 +1,7 @@
 #include "ops/stock/contract_inputs.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 
 #include <cmath>
 #include <limits>
@@ -25,6 +26,29 @@ at::Tensor zero_or_minus_inf(const at::Tensor& visible, const at::TensorOptions&
 }
 
 at::Tensor dead_rows_of_lse(const ContractInputs& inputs) { return inputs.dead_rows.squeeze(-1); }
+
+// A host log-sum-exp (B, H, Lq) of any strides as a contiguous copy with +inf as NaN, in one pass: the kernel
+// writes it (B, Lq, H), and the ATen ops for the same (compare, fill, copy) cost more than the forward itself on
+// small calls.
+at::Tensor contiguous_without_inf(const at::Tensor& lse) {
+  at::Tensor out = at::empty(lse.sizes(), lse.options());
+  AT_DISPATCH_FLOATING_TYPES(lse.scalar_type(), "fastmha_contract_lse", [&] {
+    const scalar_t* from = lse.const_data_ptr<scalar_t>();
+    scalar_t* to = out.mutable_data_ptr<scalar_t>();
+    const int64_t heads = lse.size(1), rows = lse.size(2);
+    for (int64_t b = 0; b < lse.size(0); ++b) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const scalar_t* row = from + b * lse.stride(0) + h * lse.stride(1);
+        scalar_t* dst = to + (b * heads + h) * rows;
+        for (int64_t i = 0; i < rows; ++i) {
+          const scalar_t x = row[i * lse.stride(2)];
+          dst[i] = x == std::numeric_limits<scalar_t>::infinity() ? std::numeric_limits<scalar_t>::quiet_NaN() : x;
+        }
+      }
+    }
+  });
+  return out;
+}
 
 }  // namespace
 
@@ -76,6 +100,9 @@ ContractInputs contract_inputs(const at::Tensor& query, const at::Tensor& key, c
 // with a +inf score, whose weights are all NaN in the math (inf - inf): the stock kernels report +inf there, the op
 // NaN, so that a backward recomputing P = exp(S - lse) gets NaN across the row, not only at that key.
 at::Tensor to_contract_lse(const at::Tensor& stock_lse, const ContractInputs& inputs, int64_t len_k) {
+  if (stock_lse.is_cpu() && stock_lse.dim() == 3 && !inputs.dead_rows.defined()) {
+    return contiguous_without_inf(stock_lse);
+  }
   const at::Tensor lse = stock_lse.masked_fill(stock_lse == std::numeric_limits<double>::infinity(),
                                                std::numeric_limits<double>::quiet_NaN());
   if (!inputs.dead_rows.defined()) {
