@@ -1,6 +1,7 @@
 #include "ops/kernel_choice.h"
 
 #include <ATen/Context.h>
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>
@@ -10,6 +11,7 @@
 #include <functional>
 #include <sstream>
 
+#include "ops/cpu/attention_params.h"
 #include "ops/cpu/cpu_capability.h"
 #include "ops/cpu/float_gemm.h"
 #include "ops/cpu/half_gemm.h"
@@ -62,7 +64,7 @@ constexpr int64_t kOwnForwardUpToKeys = 512;
 // The most keys at which a backward in a half type that torch's kernels multiply on AMX tiles takes fastmha's
 // kernel: torch's backward costs several times more at short lengths, but leads from 1024 keys.
 constexpr int64_t kOwnHalfBackwardOnTilesUpToKeys = 512;
-// The head size at which a half-type backward over more keys than that takes fastmha's kernel with its products
+// The head size at which a bfloat16 backward over more keys than that takes fastmha's kernel with its products
 // native where torch's kernels multiply on AMX tiles (with d_k 128 torch's stays ahead).
 constexpr int64_t kOwnHalfBackwardOnTilesHeadSize = 64;
 // The head size at which a bfloat16 forward that both kernels multiply on AMX tiles takes fastmha's kernel (with its
@@ -194,14 +196,15 @@ KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share, 
     // With d_k 64 and its products native (packing and stores in AVX-512), forward + backward with fastmha's
     // forward and backward ran 1.07-1.10x SDPA's speed at 1024-2048 keys, 1.02x at 4096, 1.03x at 8192 (torch's
     // backward behind the layer: 0.98-1.00x).
-    const bool own_heads = call.query.size(3) == kOwnHalfBackwardOnTilesHeadSize && half_on_native();
+    const bool own_heads =
+        dtype == at::kBFloat16 && call.query.size(3) == kOwnHalfBackwardOnTilesHeadSize && half_on_native();
     if (call.key.size(2) > kOwnHalfBackwardOnTilesUpToKeys && !own_heads) {
       return {K::kStockCpu,
               "backward in a half type torch's CPU flash kernel multiplies on AMX tiles, over more than " +
                   std::to_string(kOwnHalfBackwardOnTilesUpToKeys) + " keys"};
     }
     if (call.key.size(2) > kOwnHalfBackwardOnTilesUpToKeys) {
-      return {K::kOwnCpu, "backward with a head size of " + std::to_string(kOwnHalfBackwardOnTilesHeadSize) +
+      return {K::kOwnCpu, "bfloat16 backward with a head size of " + std::to_string(kOwnHalfBackwardOnTilesHeadSize) +
                               " in native products: fastmha's kernel is as fast as torch's or faster, also on AMX "
                               "tiles"};
     }
@@ -379,9 +382,12 @@ KernelChoice choose_kernel(const AttentionCall& call) {
     const auto half_products = [&] {
       const int64_t len_k = call.key.size(2);
       const bool forward = call.pass == Pass::kForward;
-      return cpu::choose_half_products(
-          dtype, half_mode, forward, forward && !call.need_weights, call.query.size(2),
-          [&] { return static_cast<int64_t>(std::llround(static_cast<double>(len_k) * key_share.get())); });
+      const int64_t len_q = call.query.size(2);
+      const int64_t chunk =
+          cpu::online_query_chunk(len_q, call.query.size(0) * call.query.size(1), at::get_num_threads());
+      return cpu::choose_half_products(dtype, half_mode, forward, forward && !call.need_weights, len_q, chunk, [&] {
+        return static_cast<int64_t>(std::llround(static_cast<double>(len_k) * key_share.get()));
+      });
     };
     auto choice = choose_cpu(call, key_share, float_on_brgemm, [&] {
       const auto products = half_products();

@@ -256,8 +256,9 @@ def test_auto_multiplies_natively_from_enough_rows_and_keys_a_row_computes(monke
     # The default: native products where the CPU has them once a head has 256 query rows or more and they
     # multiply 256 keys or more (the keys a padding mask leaves), widened below (and on every other CPU). Where the
     # products run on AMX tiles, a forward without kept weights multiplies natively at any key count and a
-    # backward from 96 keys; the forward also from 128 query rows if padding them to a power of two adds at most an
-    # eighth.
+    # backward from 96 keys; the forward also from 128 query rows in chunks of 128 or more whose padding to powers of
+    # two adds at most an eighth of the rows: with these 4 heads on 2 threads 255 rows make chunks of 128 (the last
+    # padded by one), 128 rows chunks of 64 (see also test_kernel_choice.py).
     native = native_products(dtype)
     tiles = {torch.bfloat16: "amx_bf16", torch.float16: "amx_fp16"}[dtype] in cpu_flags()  # oneDNN's, as ATen packs
     few_keys_forward = "native" if tiles else "widen"
@@ -266,30 +267,35 @@ def test_auto_multiplies_natively_from_enough_rows_and_keys_a_row_computes(monke
     fewest_backward_keys = 96 if tiles else 256
     monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
     cases = ((256, 255, None, few_keys_forward, few_keys_backward, "keys"), (256, 256, None, "native", "native", ""),
-             (255, 600, None, few_rows_forward, "widen", "rows"), (128, 600, None, few_rows_forward, "widen", "rows"),
-             (192, 600, None, "widen", "widen", "rows"), (127, 600, None, "widen", "widen", "rows"),
+             (255, 600, None, few_rows_forward, "widen", "rows"), (128, 600, None, "widen", "widen", "rows"),
              (256, 600, 100, few_keys_forward, few_keys_backward, "keys"),
              (256, 600, 95, few_keys_forward, "widen", "keys"), (256, 600, 400, "native", "native", ""))
-    for lq, lk, visible, forward, backward, fewer in cases:
-        forward, backward = (forward, backward) if native else ("widen", "widen")
-        q, k, v, grad = half_inputs(dtype, lq=lq, lk=lk)
-        mask = None if visible is None else padding([visible, visible], lk=lk)
-        monkeypatch.delenv("FASTMHA_CPU_HALF_GEMM", raising=False)
-        notes = fastmha.explain(q, k, v, mask, 0.0, False).splitlines()
-        for note, expected in zip(notes, (forward, backward)):
-            assert ("own instructions" in note) is (expected == "native"), (lq, lk, visible, note)
-            if not native:
-                assert "this CPU has no native" in note
-            elif expected == "widen":
-                fewest_keys = 256 if note.startswith("forward") else fewest_backward_keys
-                why = {"keys": f"fewer than {fewest_keys} keys a row multiplies", "rows": "fewer than 256 query rows"}
-                assert why[fewer] in note
-        got = run_and_oracle(q, k, v, mask, False, grad)[0]
-        monkeypatch.setenv("FASTMHA_CPU_HALF_GEMM", forward)
-        forced = run_and_oracle(q, k, v, mask, False, grad)[0]
-        assert torch.equal(got[0], forced[0]), (lq, lk, visible)
-        if forward == backward:  # the backward reads the forward's output
-            assert all(torch.equal(a, b) for a, b in zip(got[2], forced[2])), (lq, lk, visible)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the chunks of the rows follow the thread count
+    try:
+        for lq, lk, visible, forward, backward, fewer in cases:
+            forward, backward = (forward, backward) if native else ("widen", "widen")
+            q, k, v, grad = half_inputs(dtype, lq=lq, lk=lk)
+            mask = None if visible is None else padding([visible, visible], lk=lk)
+            monkeypatch.delenv("FASTMHA_CPU_HALF_GEMM", raising=False)
+            notes = fastmha.explain(q, k, v, mask, 0.0, False).splitlines()
+            for note, expected in zip(notes, (forward, backward)):
+                assert ("own instructions" in note) is (expected == "native"), (lq, lk, visible, note)
+                if not native:
+                    assert "this CPU has no native" in note
+                elif expected == "widen":
+                    fewest_keys = 256 if note.startswith("forward") else fewest_backward_keys
+                    why = {"keys": f"fewer than {fewest_keys} keys a row multiplies",
+                           "rows": "fewer than 256 query rows"}
+                    assert why[fewer] in note
+            got = run_and_oracle(q, k, v, mask, False, grad)[0]
+            monkeypatch.setenv("FASTMHA_CPU_HALF_GEMM", forward)
+            forced = run_and_oracle(q, k, v, mask, False, grad)[0]
+            assert torch.equal(got[0], forced[0]), (lq, lk, visible)
+            if forward == backward:  # the backward reads the forward's output
+                assert all(torch.equal(a, b) for a, b in zip(got[2], forced[2])), (lq, lk, visible)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_float_types_have_no_products_note(monkeypatch):

@@ -112,15 +112,23 @@ def test_bfloat16_forward_with_heads_of_64_on_amx_tiles_runs_fastmhas_native_pro
         q = torch.randn(1, 1, 4, 8, dtype=torch.bfloat16)
         if "own instructions" not in fastmha.explain(q, q, q, None, 0.0, True).splitlines()[0]:
             pytest.skip("fastmha multiplies bfloat16 widened here")
-    for lq, d, is_causal, expected in ((256, 64, False, "fastmha-cpu"), (300, 64, True, "fastmha-cpu"),
-                                       (256, 128, False, "torch-cpu-flash"), (255, 64, False, "fastmha-cpu"),
-                                       (128, 64, False, "fastmha-cpu"), (192, 64, False, "torch-cpu-flash"),
-                                       (127, 64, False, "torch-cpu-flash")):
-        q, k, v = qkv(b=1, h=1, lq=lq, lk=lq, d=d, dtype=torch.bfloat16)
-        kernel, reason = choices(q, k, v, need_weights=False, is_causal=is_causal)["forward"]
-        assert kernel == expected, (lq, d, is_causal, reason)
-        if expected == "fastmha-cpu":
-            assert reason.startswith("bfloat16 forward with a head size of 64 in native products"), reason
+    # Below 256 rows the chunks count: 64 heads on 2 threads keep one chunk per head (192 rows: one chunk padded
+    # to 256), one head is cut into chunks of 32 rows.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for heads, lq, d, is_causal, expected in (
+                (1, 256, 64, False, "fastmha-cpu"), (1, 300, 64, True, "fastmha-cpu"),
+                (1, 256, 128, False, "torch-cpu-flash"), (64, 255, 64, False, "fastmha-cpu"),
+                (64, 128, 64, False, "fastmha-cpu"), (64, 192, 64, False, "torch-cpu-flash"),
+                (64, 127, 64, False, "torch-cpu-flash"), (1, 128, 64, False, "torch-cpu-flash")):
+            q, k, v = qkv(b=heads, h=1, lq=lq, lk=lq, d=d, dtype=torch.bfloat16)
+            kernel, reason = choices(q, k, v, need_weights=False, is_causal=is_causal)["forward"]
+            assert kernel == expected, (heads, lq, d, is_causal, reason)
+            if expected == "fastmha-cpu":
+                assert reason.startswith("bfloat16 forward with a head size of 64 in native products"), reason
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_lowered_cpu_capability_keeps_half_types_off_torchs_tiles():
@@ -220,7 +228,7 @@ def test_half_backward_with_heads_of_64_in_native_products_stays_with_fastmha_be
         kernel, reason = choices(q, k, v, need_weights=False)["backward"]
         assert kernel == expected, (lq, d, reason)
         if expected == "fastmha-cpu":
-            assert reason.startswith("backward with a head size of 64 in native products"), reason
+            assert reason.startswith("bfloat16 backward with a head size of 64 in native products"), reason
 
 
 def test_cases_torchs_kernel_cannot_serve_stay_with_fastmha(monkeypatch):

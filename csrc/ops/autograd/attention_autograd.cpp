@@ -75,7 +75,9 @@ std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& query, c
   if (detail::takes_forward_ad({query, key, value, mask.value_or(at::Tensor())})) {
     return detail::attention_with_tangents(query, key, value, mask, dropout_p, need_weights, is_causal);
   }
-  if (!at::GradMode::is_enabled() || !(query.requires_grad() || key.requires_grad() || value.requires_grad())) {
+  const bool any_requires_grad = query.requires_grad() || key.requires_grad() || value.requires_grad() ||
+                                 (mask.has_value() && mask->requires_grad());  // (the mask gets none, but a node)
+  if (!at::GradMode::is_enabled() || !any_requires_grad) {
     // Nothing to differentiate: the forward alone, without a Function's context and saved tensors (their cost
     // shows on short calls).
     at::AutoDispatchBelowADInplaceOrView guard;

@@ -20,6 +20,18 @@
 namespace fastmha::cpu {
 namespace {
 
+// Whether `rows` query rows in chunks of chunk_rows, each padded to a power of two, are chunks of
+// kNativeOnlineOnTilesFromRows rows or more with at most an eighth of the rows added as padding.
+bool chunks_mostly_rows(int64_t rows, int64_t chunk_rows) {
+  if (chunk_rows < kNativeOnlineOnTilesFromRows) {
+    return false;
+  }
+  const int64_t tail = rows % chunk_rows;
+  const int64_t padding =
+      rows / chunk_rows * (padded_rows(chunk_rows) - chunk_rows) + (tail > 0 ? padded_rows(tail) - tail : 0);
+  return 8 * padding <= rows;
+}
+
 // Whether the AVX-512 packers and panel stores run (the processor runs fastmha's AVX512 kernels).
 bool avx512_moves() {
 #ifdef FASTMHA_CPU_X86
@@ -118,7 +130,7 @@ bool native_half_products(at::ScalarType dtype) {
 }
 
 HalfProducts choose_half_products(at::ScalarType dtype, HalfGemmMode mode, bool forward, bool online, int64_t rows,
-                                  const std::function<int64_t()>& keys) {
+                                  int64_t chunk_rows, const std::function<int64_t()>& keys) {
   if (dtype != at::kBFloat16 && dtype != at::kHalf) {
     return {};
   }
@@ -141,10 +153,12 @@ HalfProducts choose_half_products(at::ScalarType dtype, HalfGemmMode mode, bool 
         return widened(no_native);
       }
       const bool tiles = at::native::cpublas::could_pack(dtype);
-      const bool few_padded = 8 * (padded_rows(rows) - rows) <= rows;
-      if (rows < kNativeFromRows && !(online && tiles && rows >= kNativeOnlineOnTilesFromRows && few_padded)) {
-        return widened(": fewer than " + std::to_string(kNativeFromRows) +
-                       " query rows, where native products pay less than widening");
+      if (rows < kNativeFromRows && !(online && tiles && chunks_mostly_rows(rows, chunk_rows))) {
+        return widened(": fewer than " + std::to_string(kNativeFromRows) + " query rows" +
+                       (online && tiles ? " (on AMX tiles " + std::to_string(kNativeOnlineOnTilesFromRows) +
+                                              " in chunks at most an eighth of whose rows are padding)"
+                                        : "") +
+                       ", where native products pay less than widening");
       }
       const int64_t fewest = !tiles    ? kNativeFromKeys
                              : online  ? 0

@@ -67,9 +67,10 @@ constexpr int64_t kNativeBackwardOnTilesFromKeys = 96;
 // blocks) the native forward over 1024-4096 keys took 9-10x the widened one's time on Zen 4 at 1 row, 2.6-2.7x at
 // 32 and 1.25-1.37x at 128 rows; 0.91-1.01x at 256 rows (forward + backward 0.72-0.81x).
 constexpr int64_t kNativeFromRows = 256;
-// The same for a forward without kept weights where the products run on AMX tiles, with at most an eighth of the
-// rows padding (rows are padded to a power of two): on an Intel Xeon with AMX-BF16 its native bfloat16 forward at
-// 128 query rows and keys (d_k 64) took 0.91x torch's time; at 192 rows (a quarter padding) 1.15x, at 64 rows 2.2x.
+// The same for a forward without kept weights where the products run on AMX tiles, in chunks of this many rows
+// or more whose padding to powers of two adds at most an eighth of the rows: on an Intel Xeon with AMX-BF16 its
+// native bfloat16 forward at 128 query rows and keys (d_k 64) took 0.91x torch's time; at 192 rows (one chunk, a
+// third more rows padded) 1.15x, at 64 rows 2.2x.
 constexpr int64_t kNativeOnlineOnTilesFromRows = 128;
 
 // Whether oneDNN multiplies `dtype` natively on this CPU with right operands in the VNNI layout: bfloat16 with
@@ -94,9 +95,10 @@ struct HalfProducts {
 // `auto` needs the count. `online`: a forward without kept weights (the online softmax's blocks, one pass per row
 // from the raw products): where oneDNN multiplies on AMX tiles it takes native products at any key count (on an
 // Intel Xeon with AMX-BF16 a padded batch's forward over 35-256 visible keys took 0.55-0.85x the widened time), and
-// a backward from kNativeBackwardOnTilesFromKeys keys.
+// a backward from kNativeBackwardOnTilesFromKeys keys. `chunk_rows`: the query rows per task of an online forward
+// (online_query_chunk), each chunk padded to a power of two on its own; asked only there.
 HalfProducts choose_half_products(at::ScalarType dtype, HalfGemmMode mode, bool forward, bool online, int64_t rows,
-                                  const std::function<int64_t()>& keys);
+                                  int64_t chunk_rows, const std::function<int64_t()>& keys);
 
 constexpr int64_t kPanel = 64;           // columns per panel of a packed right operand
 constexpr int64_t kDepthMultiple = 64;   // depths are padded with zeros to a multiple of this (even: VNNI pairs)

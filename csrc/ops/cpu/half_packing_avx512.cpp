@@ -46,8 +46,8 @@ void pack_transposed(const uint16_t* src, int64_t ld, int64_t n, int64_t d, bool
                                              _mm512_set1_epi32(static_cast<int>(ld)));
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t j0 = 0; j0 < columns; j0 += kGroup) {
-    const int64_t count = std::min(kGroup, n - j0);  // keys of this group; none past n
-    const uint16_t* rows = src + std::min(j0, n) * ld;
+    const int64_t count = std::min(kGroup, n - j0);          // keys of this group; none past n
+    const uint16_t* rows = count > 0 ? src + j0 * ld : src;  // no pointer past the operand
     uint16_t* panel = dst + j0 / kPanel * depth * kPanel + (vnni ? 2 : 1) * (j0 % kPanel);
     // Elements e and e + 1 of the group's keys, or e - 1 and e for the last element of an odd row (the element
     // past the row is not read), with the one wanted in the low half.
