@@ -64,9 +64,9 @@ constexpr int64_t kOwnForwardUpToKeys = 512;
 // The most keys at which a backward in a half type that torch's kernels multiply on AMX tiles takes fastmha's
 // kernel: torch's backward costs several times more at short lengths, but leads from 1024 keys.
 constexpr int64_t kOwnHalfBackwardOnTilesUpToKeys = 512;
-// The head size at which a bfloat16 backward over more keys than that takes fastmha's kernel with its products
-// native where torch's kernels multiply on AMX tiles (with d_k 128 torch's stays ahead).
-constexpr int64_t kOwnHalfBackwardOnTilesHeadSize = 64;
+// Whether a bfloat16 backward over more keys than that takes fastmha's kernel with its products native where torch's
+// kernels multiply on AMX tiles: measured at head sizes 64 and 128; others stay with torch's.
+constexpr bool own_half_backward_on_tiles_head_size(int64_t d) { return d == 64 || d == 128; }
 // The head size at which a bfloat16 forward that both kernels multiply on AMX tiles takes fastmha's kernel (with its
 // products native) without a mask that pays for it.
 constexpr int64_t kOwnHalfForwardOnTilesHeadSize = 64;
@@ -195,16 +195,18 @@ KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share, 
     // but 1.04-1.21x at 1024-4096 keys, where torch's kernel keeps its AMX tiles busier.
     // With d_k 64 and its products native (packing and stores in AVX-512), forward + backward with fastmha's
     // forward and backward ran 1.07-1.10x SDPA's speed at 1024-2048 keys, 1.02x at 4096, 1.03x at 8192 (torch's
-    // backward behind the layer: 0.98-1.00x).
+    // backward behind the layer: 0.98-1.00x). With d_k 128 fastmha's backward alone (native) took 0.70-0.96x the
+    // time of torch's at 1024-8192 keys (backward kernels interleaved on the same saved tensors, three runs).
+    const int64_t head_size = call.query.size(3);
     const bool own_heads =
-        dtype == at::kBFloat16 && call.query.size(3) == kOwnHalfBackwardOnTilesHeadSize && half_on_native();
+        dtype == at::kBFloat16 && own_half_backward_on_tiles_head_size(head_size) && half_on_native();
     if (call.key.size(2) > kOwnHalfBackwardOnTilesUpToKeys && !own_heads) {
       return {K::kStockCpu,
               "backward in a half type torch's CPU flash kernel multiplies on AMX tiles, over more than " +
                   std::to_string(kOwnHalfBackwardOnTilesUpToKeys) + " keys"};
     }
     if (call.key.size(2) > kOwnHalfBackwardOnTilesUpToKeys) {
-      return {K::kOwnCpu, "bfloat16 backward with a head size of " + std::to_string(kOwnHalfBackwardOnTilesHeadSize) +
+      return {K::kOwnCpu, "bfloat16 backward with a head size of " + std::to_string(head_size) +
                               " in native products: fastmha's kernel is as fast as torch's or faster, also on AMX "
                               "tiles"};
     }

@@ -215,20 +215,22 @@ def test_backward_kernel_depends_on_amx_tiles_for_half_types_beyond_512_keys(lk)
                     "backward over at most 512 keys: fastmha's kernel is faster than torch's there, also on AMX tiles")
 
 
-def test_half_backward_with_heads_of_64_in_native_products_stays_with_fastmha_beyond_512_keys():
-    # On AMX tiles torch's backward takes over beyond 512 keys, except for heads of 64 whose products fastmha runs
-    # natively (256 query rows or more in a backward).
+def test_half_backward_with_heads_of_64_or_128_in_native_products_stays_with_fastmha_beyond_512_keys():
+    # On AMX tiles torch's backward takes over beyond 512 keys, except for heads of 64 or 128 whose products fastmha
+    # runs natively (256 query rows or more in a backward).
     if not torch_on_tiles()[torch.bfloat16]:
         pytest.skip("torch multiplies bfloat16 without AMX tiles here")
     q = torch.randn(1, 1, 256, 64, dtype=torch.bfloat16)
     if "own instructions" not in fastmha.explain(q, q, q, None, 0.0, False).splitlines()[1]:
         pytest.skip("fastmha's backward multiplies bfloat16 widened here")
-    for lq, d, expected in ((256, 64, "fastmha-cpu"), (256, 128, "torch-cpu-flash"), (255, 64, "torch-cpu-flash")):
+    cases = ((256, 64, "fastmha-cpu"), (256, 128, "fastmha-cpu"), (256, 96, "torch-cpu-flash"),
+             (255, 64, "torch-cpu-flash"), (255, 128, "torch-cpu-flash"))
+    for lq, d, expected in cases:
         q, k, v = qkv(b=1, h=1, lq=lq, lk=600, d=d, dtype=torch.bfloat16)
         kernel, reason = choices(q, k, v, need_weights=False)["backward"]
         assert kernel == expected, (lq, d, reason)
         if expected == "fastmha-cpu":
-            assert reason.startswith("bfloat16 backward with a head size of 64 in native products"), reason
+            assert reason.startswith(f"bfloat16 backward with a head size of {d} in native products"), reason
 
 
 def test_cases_torchs_kernel_cannot_serve_stay_with_fastmha(monkeypatch):
