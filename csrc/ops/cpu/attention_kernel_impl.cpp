@@ -33,6 +33,7 @@
 
 #include "ops/cpu/attention_params.h"
 #include "ops/cpu/blas.h"
+#include "ops/cpu/cache_line_buffer.h"
 #include "ops/cpu/float_gemm.h"
 #include "ops/cpu/key_span.h"
 #include "ops/cpu/philox_batch.h"
@@ -95,7 +96,7 @@ Head<T> head_pointers(const AttentionInputs<T>& in, int64_t bh) {
 // The calling thread's operand buffers of the half-type products: one product's own operands, and a chunk's rows
 // padded or packed once for all its key blocks (the blocked backward's dO and Q, the online forward's Q).
 struct HalfScratch {
-  std::vector<uint16_t> left, right, chunk_grad_out, chunk_q;
+  CacheLineVector<uint16_t> left, right, chunk_grad_out, chunk_q;
 };
 inline HalfScratch& half_scratch() {
   thread_local HalfScratch scratch;
@@ -164,7 +165,7 @@ PackedRight columns_of_head(const Head<T>& head, const uint16_t* head_pack, cons
 // an infinity, which the zero weights of the padding would turn into NaN. Otherwise the rows are packed into
 // `scratch`.
 inline PackedRight rows_of_head(const uint16_t* head_pack, int64_t packed_keys, const uint16_t* src, int64_t ld,
-                                int64_t lo, int64_t n, int64_t d, bool vnni, std::vector<uint16_t>& scratch) {
+                                int64_t lo, int64_t n, int64_t d, bool vnni, CacheLineVector<uint16_t>& scratch) {
   if (head_pack != nullptr && lo % kDepthMultiple == 0 && lo + n <= packed_keys &&
       (n % kDepthMultiple == 0 || lo + n == packed_keys)) {
     return packed_from_row(head_pack, padded_depth(packed_keys), lo, vnni);
@@ -178,7 +179,7 @@ inline PackedRight rows_of_head(const uint16_t* head_pack, int64_t packed_keys, 
 // The right operand B = right^T for n rows of d elements (row stride right_ld): `packed` where its data is given
 // (columns_of_head), otherwise those rows packed into `scratch`.
 inline PackedRight transposed_right(const uint16_t* right, int64_t right_ld, PackedRight packed, int64_t n, int64_t d,
-                                    bool vnni, std::vector<uint16_t>& scratch) {
+                                    bool vnni, CacheLineVector<uint16_t>& scratch) {
   if (packed.data != nullptr) {
     return packed;
   }
@@ -219,7 +220,7 @@ void half_scores(const AttentionInputs<T>& in, const Head<T>& head, int64_t row0
 
 // What with_packed_heads packs into: the operands' bits and each head's count of packed keys.
 struct PackedHeadsStorage {
-  std::unique_ptr<uint16_t[]> bits;
+  CacheLineArray<uint16_t> bits;
   std::vector<int64_t> keys;
 };
 
@@ -271,7 +272,7 @@ AttentionInputs<T> with_packed_heads(const AttentionInputs<T>& in, bool backward
   if (total == 0) {  // nothing packed: every block packs its own
     return packed;
   }
-  storage.bits = std::make_unique_for_overwrite<uint16_t[]>(static_cast<size_t>(total));
+  storage.bits = cache_line_array<uint16_t>(static_cast<size_t>(total));
   storage.keys = keys_to_pack(in);
   half.packed_keys = storage.keys.data();
   uint16_t* next = storage.bits.get();
@@ -960,7 +961,7 @@ T fold_block(T* s, int64_t n, T& max, T& sum) {
 // Per-task buffers of the online-softmax forward: one key block of scores (and dropout multipliers) per row.
 template <typename T>
 struct OnlineBuffers {
-  std::vector<T> scores, keep, max, sum;
+  CacheLineVector<T> scores, keep, max, sum;
   std::vector<uint32_t> words;
 };
 
@@ -1071,7 +1072,7 @@ bool online_chunk(const AttentionInputs<T>& in, const Head<T>& head, int64_t row
     if (padded_rows(rows) == rows && in.d_k % kDepthMultiple == 0 && (ld & (ld - 1)) == 0) {
       q_left = LeftOperand(q_rows, ld);
     } else {
-      std::vector<uint16_t>& chunk_q = half_scratch().chunk_q;
+      CacheLineVector<uint16_t>& chunk_q = half_scratch().chunk_q;
       hold_at_least(chunk_q, left_size(rows, padded_depth(in.d_k)));
       pad_rows(q_rows, ld, rows, in.d_k, chunk_q.data());
       q_left = LeftOperand(chunk_q.data());
@@ -1235,7 +1236,7 @@ void forward_impl(const AttentionInputs<T>& inputs, const AttentionForwardOutput
     const HalfProductsTask half_products(in.half.vnni);
     // Scores are computed in a task buffer, packed to the span's width, also when the weights are kept: they
     // are then written out once, normalized, and the buffer stays in cache for the GEMM with V.
-    std::vector<T> buffer(chunk * ld), inv_sum(chunk), keep(in.dropout_p > 0 ? chunk * ld : 0);
+    CacheLineVector<T> buffer(chunk * ld), inv_sum(chunk), keep(in.dropout_p > 0 ? chunk * ld : 0);
     NonFiniteKeys<T> non_finite(false);
     WidenedHead<T> widened;
     OutputRows<T> output(in, out, chunk);
@@ -1461,7 +1462,7 @@ struct SplitTask {
 
 template <typename T>
 SplitTask<T> split_task(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, int64_t task,
-                        int64_t chunks, std::vector<T>& own_k, std::vector<T>& own_v) {
+                        int64_t chunks, CacheLineVector<T>& own_k, CacheLineVector<T>& own_v) {
   const int64_t bh = task / g.splits, split = task % g.splits;
   T* grad_k = nullptr;
   T* grad_v = nullptr;
@@ -1496,13 +1497,13 @@ void round_task_gradients(const AttentionInputs<T>& in, const AttentionBackwardT
 // the scans of a head's keys.
 template <typename T>
 struct BackwardBuffers {
-  std::vector<T> probs, grad_w, keep;
+  CacheLineVector<T> probs, grad_w, keep;
   std::vector<RowSoftmax<T>> softmax;
   NonFiniteKeys<T> non_finite{true};
   std::vector<uint32_t> words;
   WidenedHead<T> widened;  // q/k/v when the tasks widen them (in.widen_in_tasks)
   BackwardChunkRows<T> chunk_rows;
-  std::vector<T> own_grad_k, own_grad_v;  // a task's dK and dV rows (AttentionBackwardTensors::half_grad_k)
+  CacheLineVector<T> own_grad_k, own_grad_v;  // a task's dK and dV rows (AttentionBackwardTensors::half_grad_k)
 };
 
 // Whether query row `query` sees no key at all (mask, and causality with is_causal): all its scores are -1e9.

@@ -270,7 +270,7 @@ void half_gemm(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, co
     half_gemm_in_place(kind, vnni, m, n, depth, a, b, c, ldc, add_c);
     return;
   }
-  thread_local std::vector<float> panel_out;  // one panel of C for all padded rows
+  thread_local CacheLineVector<float> panel_out;  // one panel of C for all padded rows
   const int64_t rows = padded_rows(m);
   hold_at_least(panel_out, rows * kPanel);
   for (int64_t c0 = 0; c0 < n; c0 += kPanel) {

@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include "ops/cpu/cache_line_buffer.h"
+
 namespace fastmha::cpu {
 
 enum class HalfKind : uint8_t { kBFloat16, kFloat16 };
@@ -38,8 +40,8 @@ static inline bool all_finite_bits(HalfKind kind, const uint16_t* bits, int64_t 
 // Makes a scratch buffer hold at least n elements and never shrinks it: a vector resized down and up again zeroes
 // its regrown part, which a thread alternating between chunk or block sizes would pay at every one of them (the
 // callers write every element they read). Internal linkage, as all_finite_bits.
-template <typename T>
-static inline void hold_at_least(std::vector<T>& buffer, int64_t n) {
+template <typename T, typename Allocator>
+static inline void hold_at_least(std::vector<T, Allocator>& buffer, int64_t n) {
   if (buffer.size() < static_cast<size_t>(n)) {
     buffer.resize(static_cast<size_t>(n));
   }

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "ops/cpu/attention_params.h"
+#include "ops/cpu/cache_line_buffer.h"
 
 namespace fastmha::cpu {
 namespace CPU_CAPABILITY {
@@ -110,7 +111,7 @@ class WidenedHead {
   }
 
  private:
-  std::vector<T> q_, k_, v_;
+  CacheLineVector<T> q_, k_, v_;
   int64_t bh_ = -1;
 };
 
@@ -166,7 +167,7 @@ class BackwardChunkRows {
   }
 
  private:
-  std::vector<T> grad_out_, out_, grad_q_;
+  CacheLineVector<T> grad_out_, out_, grad_q_;
   int64_t bh_ = 0, row0_ = 0;
 };
 
@@ -218,7 +219,7 @@ class OutputRows {
   const AttentionInputs<T>& in_;
   const AttentionForwardOutputs<T>& out_;
   int64_t ld_;
-  std::vector<T> buffer_;
+  CacheLineVector<T> buffer_;
   int64_t bh_ = 0, row0_ = 0;
 };
 
