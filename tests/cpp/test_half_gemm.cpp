@@ -175,7 +175,38 @@ void check_half_gemm_inside(at::ScalarType dtype, bool vnni, int64_t m, int64_t 
   CHECK(at::allclose(c, at::matmul(a.to(at::kFloat), b.narrow(0, lo, d).to(at::kFloat)), 1e-4, 1e-4));
 }
 
+// half_gemm_in_place with the left operand's m rows read in place (row stride ld, the first d elements of each) and
+// added into C of padded_rows(m) rows: the products in C's first m rows, the rows from computed_rows(m) on untouched
+// (a product of 192 rows runs as 128 + 64, not as 256).
+void check_half_gemm_in_place(at::ScalarType dtype, bool vnni, int64_t m, int64_t n, int64_t d, int64_t ld) {
+  const auto kind = dtype == at::kBFloat16 ? HalfKind::kBFloat16 : HalfKind::kFloat16;
+  const auto a = at::randn({m, ld}).to(dtype), b = at::randn({d, n}).to(dtype);
+  const auto a_bits = bits_of(a), b_t_bits = bits_of(b.t().contiguous());
+  std::vector<uint16_t> right(static_cast<size_t>(fastmha::cpu::packed_size(d, n)));
+  fastmha::cpu::pack_transposed(b_t_bits.data(), d, n, d, vnni, right.data());
+  const fastmha::cpu::HalfProductsTask task(vnni);
+  const int64_t ldc = (n + fastmha::cpu::kPanel - 1) / fastmha::cpu::kPanel * fastmha::cpu::kPanel + 8;
+  auto c = at::full({fastmha::cpu::padded_rows(m), ldc}, 7.0f);
+  fastmha::cpu::half_gemm_in_place(kind, vnni, m, n, d, fastmha::cpu::LeftOperand(a_bits.data(), ld), {right.data(), d},
+                                   c.data_ptr<float>(), ldc, true);
+  const auto want = 7.0f + at::matmul(a.narrow(1, 0, d).to(at::kFloat), b.to(at::kFloat));
+  CHECK(at::allclose(c.narrow(0, 0, m).narrow(1, 0, n), want, 1e-4, 1e-4));
+  const int64_t computed = fastmha::cpu::computed_rows(m);
+  CHECK(at::equal(c.narrow(0, computed, c.size(0) - computed), at::full({c.size(0) - computed, ldc}, 7.0f)));
+}
+
 }  // namespace
+
+TEST_CASE("Products of rows that are no power of two run in row blocks, reading the rows in place", "[half gemm]") {
+  const auto dtype = GENERATE(at::kBFloat16, at::kHalf);
+  const bool vnni = GENERATE(false, true);
+  if (vnni && !fastmha::cpu::native_half_products(dtype)) {
+    return;  // the VNNI layout needs the native kernels
+  }
+  check_half_gemm_in_place(dtype, vnni, 192, 128, 64, 512);  // 128 + 64 rows
+  check_half_gemm_in_place(dtype, vnni, 48, 70, 128, 128);   // 32 + 16 rows, a partial panel
+  check_half_gemm_in_place(dtype, vnni, 256, 64, 64, 64);    // one block
+}
 
 TEST_CASE("Half-type products through ATen's reference GEMM (plain layout) match fp32 products", "[half gemm]") {
   const auto dtype = GENERATE(at::kBFloat16, at::kHalf);
@@ -204,6 +235,7 @@ TEST_CASE("Half-type products on the CPU's own instructions (VNNI layout) match 
   check_half_gemm(dtype, true, 5, 7, 20);
   check_half_gemm(dtype, true, 256, 512, 64);                     // the online forward's block shapes
   check_half_gemm(dtype, true, 128, 64, 1000);                    // weights times values over 1000 keys (two pieces)
+  check_half_gemm(dtype, true, 350, 130, 96);                     // 256 + 64 + 32 rows (352), three panels
   check_half_gemm_inside(dtype, true, 256, 128, 1024, 256, 512);  // a block of a head's values packed once
   check_half_gemm_inside(dtype, true, 20, 70, 700, 128, 572);
 }

@@ -256,9 +256,8 @@ def test_auto_multiplies_natively_from_enough_rows_and_keys_a_row_computes(monke
     # The default: native products where the CPU has them once a head has 256 query rows or more and they
     # multiply 256 keys or more (the keys a padding mask leaves), widened below (and on every other CPU). Where the
     # products run on AMX tiles, a forward without kept weights multiplies natively at any key count and a
-    # backward from 96 keys; the forward also from 128 query rows in chunks of 128 or more whose padding to powers of
-    # two adds at most an eighth of the rows: with these 4 heads on 2 threads 255 rows make chunks of 128 (the last
-    # padded by one), 128 rows chunks of 64 (see also test_kernel_choice.py).
+    # backward from 96 keys; the forward also from 128 query rows in chunks of 128 or more: with these 4 heads on 2
+    # threads 255 rows make chunks of 128, 128 rows chunks of 64 (see also test_kernel_choice.py).
     native = native_products(dtype)
     tiles = {torch.bfloat16: "amx_bf16", torch.float16: "amx_fp16"}[dtype] in cpu_flags()  # oneDNN's, as ATen packs
     few_keys_forward = "native" if tiles else "widen"

@@ -1063,13 +1063,13 @@ bool online_chunk(const AttentionInputs<T>& in, const Head<T>& head, int64_t row
   std::fill(buf.sum.begin(), buf.sum.begin() + rows, T(0));
   bool skipped = span.size() < in.len_k, computed = false;
   // The chunk's query rows as the left operand of its blocks' half-type products: read in place where they need
-  // no padding (a power of two of rows, a head size of whole depth multiples) and their row stride is a power of two
+  // no padding (a multiple of 16 rows, a head size of whole depth multiples) and their row stride is a power of two
   // (ATen keeps a kernel for every stride: this keeps them to a few classes), otherwise padded once.
   LeftOperand q_left{nullptr};
   if (head.half_q != nullptr) {
     const int64_t ld = in.half.q_stride.row;
     const uint16_t* q_rows = head.half_q + row0 * ld;
-    if (padded_rows(rows) == rows && in.d_k % kDepthMultiple == 0 && (ld & (ld - 1)) == 0) {
+    if (computed_rows(rows) == rows && in.d_k % kDepthMultiple == 0 && (ld & (ld - 1)) == 0) {
       q_left = LeftOperand(q_rows, ld);
     } else {
       CacheLineVector<uint16_t>& chunk_q = half_scratch().chunk_q;

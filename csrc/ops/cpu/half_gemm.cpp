@@ -20,18 +20,6 @@
 namespace fastmha::cpu {
 namespace {
 
-// Whether `rows` query rows in chunks of chunk_rows, each padded to a power of two, are chunks of
-// kNativeOnlineOnTilesFromRows rows or more with at most an eighth of the rows added as padding.
-bool chunks_mostly_rows(int64_t rows, int64_t chunk_rows) {
-  if (chunk_rows < kNativeOnlineOnTilesFromRows) {
-    return false;
-  }
-  const int64_t tail = rows % chunk_rows;
-  const int64_t padding =
-      rows / chunk_rows * (padded_rows(chunk_rows) - chunk_rows) + (tail > 0 ? padded_rows(tail) - tail : 0);
-  return 8 * padding <= rows;
-}
-
 // Whether the AVX-512 packers and panel stores run (the processor runs fastmha's AVX512 kernels).
 bool avx512_moves() {
 #ifdef FASTMHA_CPU_X86
@@ -153,10 +141,12 @@ HalfProducts choose_half_products(at::ScalarType dtype, HalfGemmMode mode, bool 
         return widened(no_native);
       }
       const bool tiles = at::native::cpublas::could_pack(dtype);
-      if (rows < kNativeFromRows && !(online && tiles && chunks_mostly_rows(rows, chunk_rows))) {
+      // A chunk's products run on its rows rounded up to a multiple of 16 (computed_rows): at most an eighth more
+      // from 128 rows on.
+      if (rows < kNativeFromRows && !(online && tiles && chunk_rows >= kNativeOnlineOnTilesFromRows)) {
         return widened(": fewer than " + std::to_string(kNativeFromRows) + " query rows" +
                        (online && tiles ? " (on AMX tiles " + std::to_string(kNativeOnlineOnTilesFromRows) +
-                                              " in chunks at most an eighth of whose rows are padding)"
+                                              " in chunks of as many or more)"
                                         : "") +
                        ", where native products pay less than widening");
       }
@@ -266,7 +256,7 @@ void half_gemm(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, co
     for (int64_t r = 0; r < m && !add_c; ++r) std::fill(c + r * ldc, c + r * ldc + n, 0.0f);
     return;
   }
-  if (alpha == 1.0f && padded_rows(m) == m && n % kPanel == 0) {  // C has every row and column the kernel writes
+  if (alpha == 1.0f && computed_rows(m) == m && n % kPanel == 0) {  // C has every row and column the kernel writes
     half_gemm_in_place(kind, vnni, m, n, depth, a, b, c, ldc, add_c);
     return;
   }
@@ -299,14 +289,19 @@ void half_gemm_in_place(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t 
                         float* c, int64_t ldc, bool add_c) {
   TORCH_INTERNAL_ASSERT(b.rows >= depth && depth > 0 && ldc >= (n + kPanel - 1) / kPanel * kPanel,
                         "an in-place product of ", n, " columns, depth ", depth, ", row stride ", ldc);
-  TORCH_INTERNAL_ASSERT(a.ld == 0 || (padded_rows(m) == m && depth % kDepthMultiple == 0),
+  TORCH_INTERNAL_ASSERT(a.ld == 0 || (computed_rows(m) == m && depth % kDepthMultiple == 0),
                         "a left operand read in place with ", m, " rows, depth ", depth);
-  const int64_t rows = padded_rows(m);
-  for (int64_t c0 = 0; c0 < n; c0 += kPanel) {
-    for (int64_t k0 = 0; k0 < depth; k0 += kMaxDepthPiece) {
-      const int64_t piece = std::min(kMaxDepthPiece, depth - k0);
-      const uint16_t* right = b.data + packed_index(k0, c0, b.rows, vnni);
-      panel_product(kind, vnni, rows, piece, a.piece(k0, m), a.row_stride(), right, c + c0, ldc, add_c || k0 > 0);
+  const int64_t rows = computed_rows(m);
+  for (int64_t r0 = 0, block = 0; r0 < rows; r0 += block) {
+    block = kRowMultiple;
+    while (2 * block <= rows - r0) block *= 2;
+    for (int64_t c0 = 0; c0 < n; c0 += kPanel) {
+      for (int64_t k0 = 0; k0 < depth; k0 += kMaxDepthPiece) {
+        const int64_t piece = std::min(kMaxDepthPiece, depth - k0);
+        const uint16_t* right = b.data + packed_index(k0, c0, b.rows, vnni);
+        panel_product(kind, vnni, block, piece, a.piece(k0, m) + r0 * a.row_stride(), a.row_stride(), right,
+                      c + r0 * ldc + c0, ldc, add_c || k0 > 0);
+      }
     }
   }
 }

@@ -7,8 +7,8 @@
 //
 // oneDNN compiles a kernel for every distinct shape and ATen keeps each one per thread for good, so every
 // product here is cut into a small fixed set of shapes: panels of kPanel columns, depths in pieces of at most
-// kMaxDepthPiece (multiples of kDepthMultiple), and rows padded to a power of two; the padding is zeros. Products
-// written in place (half_gemm_in_place) take the caller's row stride, which it keeps to a few classes.
+// kMaxDepthPiece (multiples of kDepthMultiple), and row blocks of powers of two (computed_rows); the padding is
+// zeros. Products written in place (half_gemm_in_place) take the caller's row stride, which it keeps to a few classes.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -70,9 +70,9 @@ constexpr int64_t kNativeBackwardOnTilesFromKeys = 96;
 // 32 and 1.25-1.37x at 128 rows; 0.91-1.01x at 256 rows (forward + backward 0.72-0.81x).
 constexpr int64_t kNativeFromRows = 256;
 // The same for a forward without kept weights where the products run on AMX tiles, in chunks of this many rows
-// or more whose padding to powers of two adds at most an eighth of the rows: on an Intel Xeon with AMX-BF16 its
-// native bfloat16 forward at 128 query rows and keys (d_k 64) took 0.91x torch's time; at 192 rows (one chunk, a
-// third more rows padded) 1.15x, at 64 rows 2.2x.
+// or more: on an Intel Xeon with AMX-BF16 its native bfloat16 forward at 128 query rows and keys (d_k 64) took
+// 0.91x torch's time, at 64 rows 2.2x; at 192 rows 1.15x while a chunk's product ran on rows padded to a power of
+// two (256), about even once they ran in row blocks of 128 + 64 (computed_rows).
 constexpr int64_t kNativeOnlineOnTilesFromRows = 128;
 
 // Whether oneDNN multiplies `dtype` natively on this CPU with right operands in the VNNI layout: bfloat16 with
@@ -98,7 +98,7 @@ struct HalfProducts {
 // from the raw products): where oneDNN multiplies on AMX tiles it takes native products at any key count (on an
 // Intel Xeon with AMX-BF16 a padded batch's forward over 35-256 visible keys took 0.55-0.85x the widened time), and
 // a backward from kNativeBackwardOnTilesFromKeys keys. `chunk_rows`: the query rows per task of an online forward
-// (online_query_chunk), each chunk padded to a power of two on its own; asked only there.
+// (online_query_chunk); asked only there.
 HalfProducts choose_half_products(at::ScalarType dtype, HalfGemmMode mode, bool forward, bool online, int64_t rows,
                                   int64_t chunk_rows, const std::function<int64_t()>& keys);
 
@@ -108,12 +108,19 @@ constexpr int64_t kMaxDepthPiece = 512;  // depth per call of the kernel; longer
 
 inline int64_t padded_depth(int64_t depth) { return (depth + kDepthMultiple - 1) / kDepthMultiple * kDepthMultiple; }
 
-// Rows of a left operand as the kernels see them: m padded to a power of two of at least 16 (zero rows beyond m).
+// Rows of a left operand as laid out: m padded to a power of two of at least 16 (zero rows beyond m), so that its
+// pieces (left_index) have a few row strides whatever m is.
 inline int64_t padded_rows(int64_t m) {
   int64_t rows = 16;
   while (rows < m) rows *= 2;
   return rows;
 }
+
+constexpr int64_t kRowMultiple = 16;  // rows of one AMX tile
+
+// The rows a product of m rows computes: m rounded up to kRowMultiple, in row blocks of powers of two (a few kernel
+// shapes for any m: 192 rows as 128 + 64 rather than 256, whose padding would be a third of the work).
+inline int64_t computed_rows(int64_t m) { return (m + kRowMultiple - 1) / kRowMultiple * kRowMultiple; }
 
 // Elements of a packed right operand with `depth` rows and `cols` columns: whole panels of kPanel columns.
 inline int64_t packed_size(int64_t depth, int64_t cols) { return (cols + kPanel - 1) / kPanel * kPanel * depth; }
@@ -162,8 +169,8 @@ void zero_left_padding(int64_t m, int64_t d, uint16_t* dst);
 void zero_padding_rows(int64_t m, int64_t d, uint16_t* dst);
 
 // A left operand as a product reads it: laid out by left_index (ld 0), or m rows read in place, ld elements apart,
-// when m is a power of two of at least 16 (padded_rows(m) == m: no padding rows to read) and the depth a multiple
-// of kDepthMultiple (no padding columns), such as a chunk of a head's queries.
+// when m is a multiple of kRowMultiple (computed_rows(m) == m: no padding rows to read) and the depth a multiple of
+// kDepthMultiple (no padding columns), such as a chunk of a head's queries.
 struct LeftOperand {
   LeftOperand(const uint16_t* laid_out) : data(laid_out) {}  // NOLINT(google-explicit-constructor)
   LeftOperand(const uint16_t* rows, int64_t row_stride) : data(rows), ld(row_stride) {}
@@ -193,7 +200,7 @@ inline PackedRight packed_from_row(const uint16_t* packed, int64_t rows, int64_t
 void half_gemm(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, const uint16_t* a, PackedRight b,
                float* c, int64_t ldc, bool add_c, float alpha = 1.0f);
 
-// C (+)= A B as half_gemm without its copy: the kernels write C in place, so C must hold padded_rows(m) rows of at
+// C (+)= A B as half_gemm without its copy: the kernels write C in place, so C must hold computed_rows(m) rows of at
 // least n rounded up to kPanel columns (row stride ldc); what lies beyond m rows and n columns is overwritten.
 void half_gemm_in_place(HalfKind kind, bool vnni, int64_t m, int64_t n, int64_t depth, LeftOperand a, PackedRight b,
                         float* c, int64_t ldc, bool add_c = false);
