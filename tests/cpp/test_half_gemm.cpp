@@ -123,12 +123,13 @@ TEST_CASE("Left operands have padded rows and depth, zeros beyond, in pieces of 
   const int64_t m = 37, d = GENERATE(int64_t{20}, int64_t{600}), ld = d + 5;
   const auto rows = at::randn({m, ld}).to(dtype);
   const auto bits = bits_of(rows);
-  const int64_t depth = fastmha::cpu::padded_depth(d), padded_m = fastmha::cpu::padded_rows(m);
+  // Laid out for 64 rows; the products read 48 (computed_rows), which hold zeros beyond m.
+  const int64_t depth = fastmha::cpu::padded_depth(d), computed = fastmha::cpu::computed_rows(m);
   std::vector<uint16_t> left(static_cast<size_t>(fastmha::cpu::left_size(m, depth)), 0xFFFF);
   fastmha::cpu::pad_rows(bits.data(), ld, m, d, left.data());
-  const auto want = at::zeros({padded_m, depth});
+  const auto want = at::zeros({computed, depth});
   want.narrow(0, 0, m).narrow(1, 0, d).copy_(rows.narrow(1, 0, d).to(at::kFloat));
-  CHECK(at::equal(unpack_left(left, m, depth, dtype), want));
+  CHECK(at::equal(unpack_left(left, m, depth, dtype).narrow(0, 0, computed), want));
 }
 
 namespace {
@@ -178,7 +179,8 @@ void check_half_gemm_inside(at::ScalarType dtype, bool vnni, int64_t m, int64_t 
 // half_gemm_in_place with the left operand's m rows read in place (row stride ld, the first d elements of each) and
 // added into C of padded_rows(m) rows: the products in C's first m rows, the rows from computed_rows(m) on untouched
 // (a product of 192 rows runs as 128 + 64, not as 256).
-void check_half_gemm_in_place(at::ScalarType dtype, bool vnni, int64_t m, int64_t n, int64_t d, int64_t ld) {
+void check_half_gemm_in_place(at::ScalarType dtype, bool vnni, int64_t m, int64_t n, int64_t d, int64_t ld,
+                              bool add_c) {
   const auto kind = dtype == at::kBFloat16 ? HalfKind::kBFloat16 : HalfKind::kFloat16;
   const auto a = at::randn({m, ld}).to(dtype), b = at::randn({d, n}).to(dtype);
   const auto a_bits = bits_of(a), b_t_bits = bits_of(b.t().contiguous());
@@ -188,8 +190,8 @@ void check_half_gemm_in_place(at::ScalarType dtype, bool vnni, int64_t m, int64_
   const int64_t ldc = (n + fastmha::cpu::kPanel - 1) / fastmha::cpu::kPanel * fastmha::cpu::kPanel + 8;
   auto c = at::full({fastmha::cpu::padded_rows(m), ldc}, 7.0f);
   fastmha::cpu::half_gemm_in_place(kind, vnni, m, n, d, fastmha::cpu::LeftOperand(a_bits.data(), ld), {right.data(), d},
-                                   c.data_ptr<float>(), ldc, true);
-  const auto want = 7.0f + at::matmul(a.narrow(1, 0, d).to(at::kFloat), b.to(at::kFloat));
+                                   c.data_ptr<float>(), ldc, add_c);
+  const auto want = (add_c ? 7.0f : 0.0f) + at::matmul(a.narrow(1, 0, d).to(at::kFloat), b.to(at::kFloat));
   CHECK(at::allclose(c.narrow(0, 0, m).narrow(1, 0, n), want, 1e-4, 1e-4));
   const int64_t computed = fastmha::cpu::computed_rows(m);
   CHECK(at::equal(c.narrow(0, computed, c.size(0) - computed), at::full({c.size(0) - computed, ldc}, 7.0f)));
@@ -203,9 +205,25 @@ TEST_CASE("Products of rows that are no power of two run in row blocks, reading 
   if (vnni && !fastmha::cpu::native_half_products(dtype)) {
     return;  // the VNNI layout needs the native kernels
   }
-  check_half_gemm_in_place(dtype, vnni, 192, 128, 64, 512);  // 128 + 64 rows
-  check_half_gemm_in_place(dtype, vnni, 48, 70, 128, 128);   // 32 + 16 rows, a partial panel
-  check_half_gemm_in_place(dtype, vnni, 256, 64, 64, 64);    // one block
+  check_half_gemm_in_place(dtype, vnni, 192, 128, 64, 512, true);  // 128 + 64 rows
+  check_half_gemm_in_place(dtype, vnni, 48, 70, 128, 128, false);  // 32 + 16 rows, a partial panel
+  check_half_gemm_in_place(dtype, vnni, 256, 64, 64, 64, true);    // one block
+  // A laid-out left operand (pad_rows) of 200 rows, as P V's weights: blocks of 128 + 64 + 16 rows into C of 256
+  // rows, the last 48 untouched.
+  const auto kind = dtype == at::kBFloat16 ? HalfKind::kBFloat16 : HalfKind::kFloat16;
+  const int64_t m = 200, d = 96, n = 64, depth = fastmha::cpu::padded_depth(d);
+  const auto a = at::randn({m, d}).to(dtype), b = at::randn({d, n}).to(dtype);
+  const auto a_bits = bits_of(a), b_t_bits = bits_of(b.t().contiguous());
+  std::vector<uint16_t> left(static_cast<size_t>(fastmha::cpu::left_size(m, depth)), 0xFFFF);
+  std::vector<uint16_t> right(static_cast<size_t>(fastmha::cpu::packed_size(depth, n)));
+  fastmha::cpu::pad_rows(a_bits.data(), d, m, d, left.data());
+  fastmha::cpu::pack_transposed(b_t_bits.data(), d, n, d, vnni, right.data());
+  const fastmha::cpu::HalfProductsTask task(vnni);
+  auto c = at::full({256, n}, 7.0f);
+  fastmha::cpu::half_gemm_in_place(kind, vnni, m, n, depth, left.data(), {right.data(), depth}, c.data_ptr<float>(), n,
+                                   false);
+  CHECK(at::allclose(c.narrow(0, 0, m), at::matmul(a.to(at::kFloat), b.to(at::kFloat)), 1e-4, 1e-4));
+  CHECK(at::equal(c.narrow(0, 208, 48), at::full({48, n}, 7.0f)));
 }
 
 TEST_CASE("Half-type products through ATen's reference GEMM (plain layout) match fp32 products", "[half gemm]") {
@@ -236,6 +254,8 @@ TEST_CASE("Half-type products on the CPU's own instructions (VNNI layout) match 
   check_half_gemm(dtype, true, 256, 512, 64);                     // the online forward's block shapes
   check_half_gemm(dtype, true, 128, 64, 1000);                    // weights times values over 1000 keys (two pieces)
   check_half_gemm(dtype, true, 350, 130, 96);                     // 256 + 64 + 32 rows (352), three panels
+  check_half_gemm(dtype, true, 192, 128, 64);                     // 128 + 64 rows straight into C
+  check_half_gemm(dtype, true, 48, 64, 64);                       // 32 + 16 rows straight into C
   check_half_gemm_inside(dtype, true, 256, 128, 1024, 256, 512);  // a block of a head's values packed once
   check_half_gemm_inside(dtype, true, 20, 70, 700, 128, 572);
 }

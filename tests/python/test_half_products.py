@@ -80,6 +80,24 @@ def half_inputs(dtype, lq=LQ, lk=LK):
             torch.randn(B, H, lk, DV, dtype=dtype), torch.randn(B, H, lq, DV, dtype=dtype))
 
 
+@pytest.mark.parametrize("lq", [192, 1008], ids=["one chunk of 192 rows", "a last chunk of 240 rows"])
+@pytest.mark.parametrize("layout", [contiguous, heads_interleaved], ids=["contiguous", "heads interleaved"])
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+def test_query_rows_read_in_place_in_row_blocks_match_the_oracle(half_products, lq, layout, dtype):
+    # A head size of 64 and chunks whose rows are a multiple of 16 but no power of two: the forward reads a chunk's
+    # query rows in place and its products run in row blocks (192 = 128 + 64, 240 = 128 + 64 + 32 + 16); 16 heads
+    # on 2 threads keep chunks of 256 rows.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        q, k, v = (layout(1, 16, length, 64, dtype) for length in (lq, 300, 300))
+        grad = torch.randn(1, 16, lq, 64, dtype=dtype)
+        got, want = run_and_oracle(q, k, v, None, False, grad)
+    finally:
+        torch.set_num_threads(threads)
+    assert_attention_close(got, want, dtype, False)
+
+
 @pytest.mark.parametrize("case", list(mask_cases()))
 @pytest.mark.parametrize("need_weights", [False, True], ids=["blocked", "kept weights"])
 @pytest.mark.parametrize("block", ["16", "64", ""], ids=["block=16", "block=64", "block=auto"])
@@ -257,7 +275,8 @@ def test_auto_multiplies_natively_from_enough_rows_and_keys_a_row_computes(monke
     # multiply 256 keys or more (the keys a padding mask leaves), widened below (and on every other CPU). Where the
     # products run on AMX tiles, a forward without kept weights multiplies natively at any key count and a
     # backward from 96 keys; the forward also from 128 query rows in chunks of 128 or more: with these 4 heads on 2
-    # threads 255 rows make chunks of 128, 128 rows chunks of 64 (see also test_kernel_choice.py).
+    # threads 255 rows make chunks of 128, 193 rows 128 + 65 (the last computed as 80 rows), 128 rows chunks of 64
+    # (see also test_kernel_choice.py).
     native = native_products(dtype)
     tiles = {torch.bfloat16: "amx_bf16", torch.float16: "amx_fp16"}[dtype] in cpu_flags()  # oneDNN's, as ATen packs
     few_keys_forward = "native" if tiles else "widen"
@@ -266,7 +285,8 @@ def test_auto_multiplies_natively_from_enough_rows_and_keys_a_row_computes(monke
     fewest_backward_keys = 96 if tiles else 256
     monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
     cases = ((256, 255, None, few_keys_forward, few_keys_backward, "keys"), (256, 256, None, "native", "native", ""),
-             (255, 600, None, few_rows_forward, "widen", "rows"), (128, 600, None, "widen", "widen", "rows"),
+             (255, 600, None, few_rows_forward, "widen", "rows"), (193, 600, None, few_rows_forward, "widen", "rows"),
+             (128, 600, None, "widen", "widen", "rows"),
              (256, 600, 100, few_keys_forward, few_keys_backward, "keys"),
              (256, 600, 95, few_keys_forward, "widen", "keys"), (256, 600, 400, "native", "native", ""))
     threads = torch.get_num_threads()

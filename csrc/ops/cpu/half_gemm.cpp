@@ -228,12 +228,12 @@ void zero_left_rows(int64_t m, int64_t d, int64_t from, int64_t to, const Valid&
 
 void zero_left_padding(int64_t m, int64_t d, uint16_t* dst) {
   zero_left_rows(
-      m, d, 0, padded_rows(m), [&](int64_t r) { return r < m ? d : int64_t{0}; }, dst);
+      m, d, 0, computed_rows(m), [&](int64_t r) { return r < m ? d : int64_t{0}; }, dst);
 }
 
 void zero_padding_rows(int64_t m, int64_t d, uint16_t* dst) {
   zero_left_rows(
-      m, d, m, padded_rows(m), [](int64_t) { return int64_t{0}; }, dst);
+      m, d, m, computed_rows(m), [](int64_t) { return int64_t{0}; }, dst);
 }
 
 void pad_rows(const uint16_t* src, int64_t ld, int64_t m, int64_t d, uint16_t* dst) {

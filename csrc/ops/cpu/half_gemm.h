@@ -157,15 +157,17 @@ inline int64_t left_size(int64_t m, int64_t depth) {
   return (depth + kMaxDepthPiece - 1) / kMaxDepthPiece * padded_rows(m) * kMaxDepthPiece;
 }
 
-// A left operand from m rows of `d` elements (row stride ld): padded_rows(m) rows of padded_depth(d) elements,
-// zeros beyond m and d (what lies beyond padded_depth(d) in a piece is never read).
+// A left operand from m rows of `d` elements (row stride ld), laid out for padded_rows(m) rows of padded_depth(d)
+// elements: zeros beyond m and d up to computed_rows(m) rows (the products read no further, nor beyond
+// padded_depth(d) in a piece).
 void pad_rows(const uint16_t* src, int64_t ld, int64_t m, int64_t d, uint16_t* dst);
 
-// The zeros of a left operand of m rows whose rows r < m hold their first `d` elements: rows beyond m and columns
-// d .. padded_depth(d).
+// The zeros of a left operand of m rows whose rows r < m hold their first `d` elements: rows m .. computed_rows(m)
+// and columns d .. padded_depth(d).
 void zero_left_padding(int64_t m, int64_t d, uint16_t* dst);
 
-// The rows of such an operand beyond m: zeros, padded_depth(d) columns (its rows r < m hold their own padding).
+// Rows m .. computed_rows(m) of such an operand: zeros, padded_depth(d) columns (its rows r < m hold their own
+// padding).
 void zero_padding_rows(int64_t m, int64_t d, uint16_t* dst);
 
 // A left operand as a product reads it: laid out by left_index (ld 0), or m rows read in place, ld elements apart,
