@@ -24,6 +24,13 @@ fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 stamp=".venv/.requirements-$(sha256sum requirements.txt | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
+  # torch and its CUDA libraries take about 6 GB once installed, more while pip unpacks them: say so up front
+  # rather than fail midway with "No space left on device".
+  free_gib=$(($(df -Pk . | awk 'NR == 2 {print $4}') / 1048576))
+  if ((free_gib < 10)); then
+    echo "[setup] error: $free_gib GiB free on the disk of $ROOT; installing requirements.txt needs about 10 GiB" >&2
+    exit 1
+  fi
   echo "[setup] pip install -r requirements.txt"
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q -r requirements.txt
