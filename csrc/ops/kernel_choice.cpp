@@ -67,6 +67,9 @@ constexpr int64_t kOwnHalfBackwardOnTilesUpToKeys = 512;
 // Whether a bfloat16 backward over more keys than that takes fastmha's kernel with its products native where torch's
 // kernels multiply on AMX tiles: measured at head sizes 64 and 128; others stay with torch's.
 constexpr bool own_half_backward_on_tiles_head_size(int64_t d) { return d == 64 || d == 128; }
+// The most query rows per head at which a bfloat16 backward over more keys than that takes fastmha's kernel at any
+// head size, whatever its products (measured at 1-128 rows and 1024-4096 keys).
+constexpr int64_t kOwnHalfBackwardOnTilesUpToQueries = 128;
 // The head size at which a bfloat16 forward that both kernels multiply on AMX tiles takes fastmha's kernel (with its
 // products native) without a mask that pays for it.
 constexpr int64_t kOwnHalfForwardOnTilesHeadSize = 64;
@@ -197,9 +200,16 @@ KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share, 
     // forward and backward ran 1.07-1.10x SDPA's speed at 1024-2048 keys, 1.02x at 4096, 1.03x at 8192 (torch's
     // backward behind the layer: 0.98-1.00x). With d_k 128 fastmha's backward alone (native) took 0.70-0.96x the
     // time of torch's at 1024-8192 keys (backward kernels interleaved on the same saved tensors, three runs).
+    // With at most 128 query rows per head fastmha's backward took 0.43-0.83x torch's time at 1024-4096 keys (bfloat16,
+    // 1-128 rows, d_k 64, 96 and 128, products as `auto` picks them).
     const int64_t head_size = call.query.size(3);
     const bool own_heads =
         dtype == at::kBFloat16 && own_half_backward_on_tiles_head_size(head_size) && half_on_native();
+    const bool few_rows = dtype == at::kBFloat16 && call.query.size(2) <= kOwnHalfBackwardOnTilesUpToQueries;
+    if (call.key.size(2) > kOwnHalfBackwardOnTilesUpToKeys && !own_heads && few_rows) {
+      return {K::kOwnCpu, "bfloat16 backward with at most " + std::to_string(kOwnHalfBackwardOnTilesUpToQueries) +
+                              " query rows per head: fastmha's kernel is faster than torch's there, also on AMX tiles"};
+    }
     if (call.key.size(2) > kOwnHalfBackwardOnTilesUpToKeys && !own_heads) {
       return {K::kStockCpu,
               "backward in a half type torch's CPU flash kernel multiplies on AMX tiles, over more than " +

@@ -202,7 +202,7 @@ def test_half_type_padding_share_that_pays_depends_on_amx_tiles_and_native_produ
 @pytest.mark.parametrize("lk", [11, 512, 513])
 def test_backward_kernel_depends_on_amx_tiles_for_half_types_beyond_512_keys(lk):
     for dtype, on_tiles in torch_on_tiles().items():
-        q, k, v = qkv(b=1, h=1, lk=lk, dtype=dtype)
+        q, k, v = qkv(b=1, h=1, lq=129, lk=lk, dtype=dtype)
         expected = "torch-cpu-flash" if on_tiles and lk > 512 else "fastmha-cpu"
         # Half-type weights are never handed to the backward, so keeping them changes nothing there.
         for need_weights in (False, True):
@@ -217,20 +217,38 @@ def test_backward_kernel_depends_on_amx_tiles_for_half_types_beyond_512_keys(lk)
 
 def test_half_backward_with_heads_of_64_or_128_in_native_products_stays_with_fastmha_beyond_512_keys():
     # On AMX tiles torch's backward takes over beyond 512 keys, except for heads of 64 or 128 whose products fastmha
-    # runs natively (256 query rows or more in a backward).
+    # runs natively (128 query rows or more in a backward on AMX tiles).
     if not torch_on_tiles()[torch.bfloat16]:
         pytest.skip("torch multiplies bfloat16 without AMX tiles here")
     q = torch.randn(1, 1, 256, 64, dtype=torch.bfloat16)
     if "own instructions" not in fastmha.explain(q, q, q, None, 0.0, False).splitlines()[1]:
         pytest.skip("fastmha's backward multiplies bfloat16 widened here")
     cases = ((256, 64, "fastmha-cpu"), (256, 128, "fastmha-cpu"), (256, 96, "torch-cpu-flash"),
-             (255, 64, "torch-cpu-flash"), (255, 128, "torch-cpu-flash"))
+             (129, 64, "fastmha-cpu"), (129, 128, "fastmha-cpu"), (129, 96, "torch-cpu-flash"))
     for lq, d, expected in cases:
         q, k, v = qkv(b=1, h=1, lq=lq, lk=600, d=d, dtype=torch.bfloat16)
         kernel, reason = choices(q, k, v, need_weights=False)["backward"]
         assert kernel == expected, (lq, d, reason)
         if expected == "fastmha-cpu":
             assert reason.startswith(f"bfloat16 backward with a head size of {d} in native products"), reason
+
+
+def test_bfloat16_backward_with_few_query_rows_stays_with_fastmha_beyond_512_keys():
+    # On AMX tiles torch's backward takes over beyond 512 keys, except with at most 128 query rows per head (any head
+    # size, any products); float16 there is unmeasured and stays with torch's.
+    on_tiles = torch_on_tiles()
+    if not on_tiles[torch.bfloat16]:
+        pytest.skip("torch multiplies bfloat16 without AMX tiles here")
+    for lq, d, lk, expected in ((1, 8, 600, "fastmha-cpu"), (128, 96, 4096, "fastmha-cpu"),
+                                (129, 96, 600, "torch-cpu-flash"), (128, 96, 512, "fastmha-cpu")):
+        q, k, v = qkv(b=1, h=1, lq=lq, lk=lk, d=d, dtype=torch.bfloat16)
+        kernel, reason = choices(q, k, v, need_weights=False)["backward"]
+        assert kernel == expected, (lq, d, lk, reason)
+        if lk > 512 and expected == "fastmha-cpu":
+            assert reason.startswith("bfloat16 backward with at most 128 query rows per head"), reason
+    if on_tiles[torch.float16]:
+        q, k, v = qkv(b=1, h=1, lq=1, lk=600, dtype=torch.float16)
+        assert choices(q, k, v, need_weights=False)["backward"][0] == "torch-cpu-flash"
 
 
 def test_cases_torchs_kernel_cannot_serve_stay_with_fastmha(monkeypatch):

@@ -143,11 +143,16 @@ HalfProducts choose_half_products(at::ScalarType dtype, HalfGemmMode mode, bool 
       const bool tiles = at::native::cpublas::could_pack(dtype);
       // A chunk's products run on its rows rounded up to a multiple of 16 (computed_rows): at most an eighth more
       // from 128 rows on.
-      if (rows < kNativeFromRows && !(online && tiles && chunk_rows >= kNativeOnlineOnTilesFromRows)) {
-        return widened(": fewer than " + std::to_string(kNativeFromRows) + " query rows" +
-                       (online && tiles ? " (on AMX tiles " + std::to_string(kNativeOnlineOnTilesFromRows) +
-                                              " in chunks of as many or more)"
-                                        : "") +
+      const bool rows_on_tiles = tiles && (online ? chunk_rows >= kNativeOnlineOnTilesFromRows
+                                                  : !forward && rows >= kNativeBackwardOnTilesFromRows);
+      if (rows < kNativeFromRows && !rows_on_tiles) {
+        const std::string on_tiles =
+            !tiles ? ""
+            : online
+                ? " (on AMX tiles " + std::to_string(kNativeOnlineOnTilesFromRows) + " in chunks of as many or more)"
+            : !forward ? " (on AMX tiles " + std::to_string(kNativeBackwardOnTilesFromRows) + ")"
+                       : "";
+        return widened(": fewer than " + std::to_string(kNativeFromRows) + " query rows" + on_tiles +
                        ", where native products pay less than widening");
       }
       const int64_t fewest = !tiles    ? kNativeFromKeys

@@ -49,8 +49,8 @@ static inline void hold_at_least(std::vector<T, Allocator>& buffer, int64_t n) {
 
 // How calls in a half type multiply (FASTMHA_CPU_HALF_GEMM): `auto` (default) as `native` from kNativeFromRows
 // query rows per head, each multiplying kNativeFromKeys keys or more (those a mask leaves; where the products run
-// on AMX tiles, any count in a forward without kept weights and kNativeBackwardOnTilesFromKeys in a backward:
-// choose_half_products), and as `widen` below;
+// on AMX tiles, any count in a forward without kept weights and kNativeBackwardOnTilesFromKeys in a backward, and
+// fewer rows: choose_half_products), and as `widen` below;
 // `widen` converts the operands to fp32 for MKL's sgemm; `native` multiplies in the half type where this CPU has the
 // instructions for it (elsewhere as widen); `reference` takes the half-type path through ATen's reference GEMM on any
 // CPU (for tests).
@@ -74,6 +74,10 @@ constexpr int64_t kNativeFromRows = 256;
 // 0.91x torch's time, at 64 rows 2.2x; at 192 rows 1.15x while a chunk's product ran on rows padded to a power of
 // two (256), about even once they ran in row blocks of 128 + 64 (computed_rows).
 constexpr int64_t kNativeOnlineOnTilesFromRows = 128;
+// The same for a backward where the products run on AMX tiles: on an Intel Xeon with AMX-BF16 its native bfloat16
+// backward at 128 query rows took 0.80-0.83x the widened one's time at 2048-4096 keys with d_k 64 (1.07x at 1024),
+// 0.57-0.89x with d_k 128 at 1024-4096 (two runs) and 0.79-1.04x with d_k 96.
+constexpr int64_t kNativeBackwardOnTilesFromRows = 128;
 
 // Whether oneDNN multiplies `dtype` natively on this CPU with right operands in the VNNI layout: bfloat16 with
 // AVX512-BF16 or AMX, float16 with AMX-FP16 (AVX512-FP16 alone takes a plain layout there), checked once by a
