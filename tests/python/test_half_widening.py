@@ -110,18 +110,49 @@ def test_kept_half_weights_are_the_float32_weights_rounded_once(monkeypatch, dty
         assert_close(weights, ref_weights, dtype)
 
 
+# (B, H, Lq, Lk, d_k, d_v): one or two query rows per head (decoding steps), whose tasks read the keys and values
+# in the half type as they are: head sizes that are not whole vectors (tails), one to four vectors of values in
+# one pass, more keys than a key block.
+FEW_ROWS_SHAPES = {"one row, tails": (2, 3, 1, 37, 37, 72), "two rows": (1, 4, 2, 1031, 64, 128),
+                   "one row, one key": (3, 2, 1, 1, 8, 8), "wide values": (1, 2, 1, 300, 16, 160)}
+
+
 @pytest.mark.parametrize("dtype", HALF_TYPES)
-def test_non_finite_value_behind_the_padding_reaches_every_row(dtype):
+@pytest.mark.parametrize("layout", ["contiguous", "heads interleaved", "strided rows"])
+@pytest.mark.parametrize("shape", list(FEW_ROWS_SHAPES))
+@pytest.mark.parametrize("mask_kind", MASKS)
+def test_few_query_rows_read_half_keys_and_values_as_they_are(monkeypatch, dtype, layout, shape, mask_kind):
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
+    b, h, len_q, len_k, d_k, d_v = FEW_ROWS_SHAPES[shape]
+    q, k = make(layout, b, h, len_q, d_k, dtype), make(layout, b, h, len_k, d_k, dtype)
+    v = make(layout, b, h, len_k, d_v, dtype)
+    mask = mask_for(mask_kind, b, len_q, len_k)
+    copies = [t.clone() for t in (q, k, v)]
+    out, _ = OPS.attention(q, k, v, mask, 0.0, False, False)
+    ref_out, _ = oracle_attention(q.double(), k.double(), v.double(), mask)
+    assert_close(out, ref_out, dtype)
+    out32, _ = OPS.attention(q.float(), k.float(), v.float(), mask, 0.0, False, False)
+    torch.testing.assert_close(out.float(), out32.to(dtype).float(), atol=1e-6, rtol=2 ** -7 if dtype ==
+                               torch.bfloat16 else 2 ** -10)
+    for t, copy in zip((q, k, v), copies):
+        assert torch.equal(t, copy)
+
+
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+@pytest.mark.parametrize("len_q", [1, 2, 64])
+def test_non_finite_value_behind_the_padding_reaches_every_row(dtype, len_q):
     # A NaN value at a padded key: its weight is exactly 0 and 0 * NaN is NaN, so that column of every output row
     # of the head is NaN in the math; a task must scan its own head's widened values before skipping those keys.
+    # One or two query rows read the values in the half type as they are.
     b, h, length, d = 2, 4, 64, 16
-    q, k, v = (torch.randn(b, h, length, d, dtype=dtype) for _ in range(3))
+    q = torch.randn(b, h, len_q, d, dtype=dtype)
+    k, v = (torch.randn(b, h, length, d, dtype=dtype) for _ in range(2))
     v[1, 2, 50, 3] = float("nan")
-    mask = padding_mask(b, length, length, [20, 30], False)
+    mask = padding_mask(b, len_q, length, [20, 30], False)
     out, _ = OPS.attention(q, k, v, mask, 0.0, False, False)
     ref_out, _ = oracle_attention(q.double(), k.double(), v.double(), mask)
     assert torch.equal(out.isnan(), ref_out.isnan())
-    assert out[1, 2, :, 3].isnan().all() and out.isnan().sum() == length
+    assert out[1, 2, :, 3].isnan().all() and out.isnan().sum() == len_q
     finite = ~ref_out.isnan()
     assert_close(out[finite], ref_out[finite], dtype)
 

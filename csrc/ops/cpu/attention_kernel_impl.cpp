@@ -60,6 +60,10 @@ struct Head {
   const uint16_t* half_q = nullptr;
   const uint16_t* half_k = nullptr;
   const uint16_t* half_v = nullptr;
+  // The keys and values as the caller gave them in a half type (in.half_source), where a forward of few query rows
+  // reads them as they are (uses_half_keys_directly), otherwise nullptr; k and v are then nullptr.
+  const uint16_t* direct_k = nullptr;
+  const uint16_t* direct_v = nullptr;
   // This head's operands packed once (HalfOperands; with_packed_heads), or nullptr; keys 0 .. packed_keys - 1.
   const uint16_t* keys_t = nullptr;
   const uint16_t* values = nullptr;
@@ -313,6 +317,13 @@ AttentionInputs<T> with_packed_heads(const AttentionInputs<T>& in, bool backward
 template <typename T>
 void apply_values(const AttentionInputs<T>& in, const Head<T>& head, const T* p, int64_t ld, int64_t rows, int64_t lo,
                   int64_t n, T* out_rows, int64_t out_ld, bool add) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (head.direct_v != nullptr) {
+      const HalfOperands& src = in.half_source;
+      return half_rows_apply(src.kind, p, ld, rows, head.direct_v + lo * src.v_stride.row, src.v_stride.row, n, in.d_v,
+                             out_rows, out_ld, add);
+    }
+  }
   if (head.half_v == nullptr) {
     if constexpr (std::is_same_v<T, float>) {
       if (in.float_brgemm && brgemm_if_admitted(rows, in.d_v, n, p, ld, head.v + lo * in.v_stride.row, in.v_stride.row,
@@ -678,6 +689,12 @@ void block_scores(const AttentionInputs<T>& in, const Head<T>& head, int64_t row
   const int64_t n = block.size();
   if (head.half_q != nullptr) {
     half_scores(in, head, row0, rows, block.lo, n, scores, ld);
+  } else if (head.direct_k != nullptr) {
+    if constexpr (std::is_same_v<T, float>) {
+      const HalfOperands& src = in.half_source;
+      half_rows_dots(src.kind, head.q + row0 * in.q_stride.row, in.q_stride.row, rows,
+                     head.direct_k + block.lo * src.k_stride.row, src.k_stride.row, n, in.d_k, in.scale, scores, ld);
+    }
   } else {
     gemm<T>(false, true, rows, n, in.d_k, in.scale, head.q + row0 * in.q_stride.row, in.q_stride.row,
             head.k + block.lo * in.k_stride.row, in.k_stride.row, T(0), scores, ld);
@@ -878,14 +895,18 @@ class NonFiniteKeys {
     last_ = -1;
     // Read in the half type where the products run in it (the forward has no widened copy then).
     const HalfOperands& half = in.half;
+    const HalfOperands& src = in.half_source;
     auto finite = [&](int64_t from, int64_t to) {
-      const bool values = head.half_v != nullptr
-                              ? finite_half_rows(half.kind, head.half_v, half.v_stride.row, from, to, in.d_v)
-                              : finite_rows(head.v, in.v_stride.row, from, to, in.d_v);
+      const bool values =
+          head.half_v != nullptr     ? finite_half_rows(half.kind, head.half_v, half.v_stride.row, from, to, in.d_v)
+          : head.direct_v != nullptr ? finite_half_rows(src.kind, head.direct_v, src.v_stride.row, from, to, in.d_v)
+                                     : finite_rows(head.v, in.v_stride.row, from, to, in.d_v);
       return values &&
              (!with_keys_ ||
               (head.half_k != nullptr ? finite_half_rows(half.kind, head.half_k, half.k_stride.row, from, to, in.d_k)
-                                      : finite_rows(head.k, in.k_stride.row, from, to, in.d_k)));
+               : head.direct_k != nullptr
+                   ? finite_half_rows(src.kind, head.direct_k, src.k_stride.row, from, to, in.d_k)
+                   : finite_rows(head.k, in.k_stride.row, from, to, in.d_k)));
     };
     if (!finite(0, in.len_k)) {
       for (int64_t i = 0; i < in.len_k; ++i) {
@@ -1146,13 +1167,34 @@ void use_widened_rows(const AttentionInputs<T>& in, WidenedHead<T>& widened, int
   }
 }
 
+// The most query rows per head at which a forward without kept weights whose tasks would widen a half type reads
+// the keys and values as they are (half_rows_dots, half_rows_apply): a decoding step's row multiplies each key
+// and value once, so widening the head's keys and values into fp32 first moved them through memory three times
+// for products of a row each. On an Intel Xeon (bfloat16, 8 heads, d_k 64 and 128, 128-2048 keys) a row took
+// 0.52-0.83x the widened time (0.89x with 2 rows, padded), but 4 rows 1.1x and 8 rows 1.7x: the rows re-read
+// the keys and values.
+constexpr int64_t kHalfKeysDirectlyUpToQueries = 2;
+
+template <typename T>
+bool uses_half_keys_directly(const AttentionInputs<T>& in) {
+  return std::is_same_v<T, float> && in.widen_in_tasks && in.len_q <= kHalfKeysDirectlyUpToQueries;
+}
+
 template <typename T>
 ForwardChunk<T> forward_chunk(const AttentionInputs<T>& in, int64_t task, int64_t chunks, int64_t chunk,
-                              WidenedHead<T>& widened) {
+                              WidenedHead<T>& widened, bool half_keys_directly = false) {
   const int64_t bh = task / chunks, row0 = (task % chunks) * chunk;
   const int64_t rows = std::min(chunk, in.len_q - row0);
   Head<T> head = head_pointers(in, bh);
-  use_widened_rows(in, widened, bh, row0, rows, head);
+  if (half_keys_directly) {
+    const HalfOperands& src = in.half_source;
+    head.q = widened.query_rows_of(in, bh, row0, rows);
+    head.k = head.v = nullptr;
+    head.direct_k = head_row(src.k, src.k_stride, in.heads, bh, 0);
+    head.direct_v = head_row(src.v, src.v_stride, in.heads, bh, 0);
+  } else {
+    use_widened_rows(in, widened, bh, row0, rows, head);
+  }
   return {bh, row0, rows, bh * in.len_q + row0, head};
 }
 
@@ -1168,6 +1210,7 @@ template <typename T>
 void online_forward(const AttentionInputs<T>& in, const AttentionForwardOutputs<T>& out) {
   const int64_t chunk = online_query_chunk(in.len_q, in.batch * in.heads, at::get_num_threads());
   const int64_t chunks = (in.len_q + chunk - 1) / chunk;
+  const bool directly = uses_half_keys_directly(in);
   for_each_task(in.batch * in.heads * chunks, head_grain(in, chunks), [&](const auto& claim) {
     const HalfProductsTask half_products(in.half.vnni);
     OnlineBuffers<T> buf;
@@ -1185,7 +1228,7 @@ void online_forward(const AttentionInputs<T>& in, const AttentionForwardOutputs<
     T* const row_factors = factors.empty() ? nullptr : factors.data();
     for (int64_t begin, end; claim(begin, end);) {
       for (int64_t task = begin; task < end; ++task) {
-        const auto [bh, row0, rows, first_row, head] = forward_chunk(in, task, chunks, chunk, widened);
+        const auto [bh, row0, rows, first_row, head] = forward_chunk(in, task, chunks, chunk, widened, directly);
         T* const out_rows = output.rows(bh, row0);
         const int64_t out_ld = output.ld();
         const KeySpan span = chunk_span(in, head, bh, row0, rows, non_finite, false);

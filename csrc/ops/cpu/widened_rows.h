@@ -12,6 +12,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -77,6 +78,129 @@ inline void round_rows(HalfKind kind, const float* src, int64_t rows, int64_t n,
   for (int64_t r = 0; r < rows; ++r) round_to_half(kind, src + r * n, dst + r * ld, n);
 }
 
+// Products of a few fp32 query rows with half-type keys and values read as they are, each vector widened in
+// registers (a decoding step: no fp32 copy of the keys and values goes through memory).
+//
+// scores[r, j] = scale * q[r, :] . k[j, :] for r < rows, j < n (k: n rows of d in H, row stride k_ld), four keys
+// at a time on vector accumulators.
+template <typename H>
+void half_rows_dots(const float* q, int64_t q_ld, int64_t rows, const H* k, int64_t k_ld, int64_t n, int64_t d,
+                    float scale, float* scores, int64_t ld) {
+  using VecH = at::vec::Vectorized<H>;
+  using VecF = at::vec::Vectorized<float>;
+  constexpr int64_t kKeys = 4;
+  const int64_t d_vec = d - d % VecH::size();
+  const auto sum = [](const VecF& x) {
+    return at::vec::vec_reduce_all<float>([](VecF& a, VecF& b) { return a + b; }, x);
+  };
+  for (int64_t j0 = 0; j0 < n; j0 += kKeys) {
+    const int64_t keys = std::min(kKeys, n - j0);
+    const H* k_rows[kKeys];
+    for (int64_t u = 0; u < kKeys; ++u) k_rows[u] = k + (j0 + std::min(u, keys - 1)) * k_ld;  // repeats the last
+    __builtin_prefetch(k + std::min(j0 + 4 * kKeys, n - 1) * k_ld);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* q_row = q + r * q_ld;
+      VecF acc[kKeys] = {VecF(0.0f), VecF(0.0f), VecF(0.0f), VecF(0.0f)};
+      for (int64_t p = 0; p < d_vec; p += VecH::size()) {
+        const VecF x_lo = VecF::loadu(q_row + p), x_hi = VecF::loadu(q_row + p + VecF::size());
+        for (int64_t u = 0; u < kKeys; ++u) {
+          const auto [lo, hi] = at::vec::convert_to_float<H>(VecH::loadu(k_rows[u] + p));
+          acc[u] = at::vec::fmadd(x_hi, hi, at::vec::fmadd(x_lo, lo, acc[u]));
+        }
+      }
+      for (int64_t u = 0; u < keys; ++u) {
+        float dot = sum(acc[u]);
+        for (int64_t p = d_vec; p < d; ++p) dot += q_row[p] * static_cast<float>(k_rows[u][p]);
+        scores[r * ld + j0 + u] = scale * dot;
+      }
+    }
+  }
+}
+
+// out_row[0 .. kChunks vectors of H) (+)= p_row . v in one pass over the keys, the columns in registers.
+template <typename H, int kChunks>
+void half_row_apply(const float* p_row, const H* v, int64_t v_ld, int64_t n, float* out_row, bool add) {
+  using VecH = at::vec::Vectorized<H>;
+  using VecF = at::vec::Vectorized<float>;
+  VecF acc[2 * kChunks];
+  for (int c = 0; c < 2 * kChunks; ++c) acc[c] = add ? VecF::loadu(out_row + c * VecF::size()) : VecF(0.0f);
+  for (int64_t j = 0; j < n; ++j) {
+    const VecF w(p_row[j]);
+    const H* v_row = v + j * v_ld;
+    __builtin_prefetch(v + std::min(j + 8, n - 1) * v_ld);
+    for (int c = 0; c < kChunks; ++c) {
+      const auto [lo, hi] = at::vec::convert_to_float<H>(VecH::loadu(v_row + c * VecH::size()));
+      acc[2 * c] = at::vec::fmadd(w, lo, acc[2 * c]);
+      acc[2 * c + 1] = at::vec::fmadd(w, hi, acc[2 * c + 1]);
+    }
+  }
+  for (int c = 0; c < 2 * kChunks; ++c) acc[c].store(out_row + c * VecF::size());
+}
+
+// out[r, :] (+)= p[r, :] . v for r < rows (p: rows x n fp32, row stride ld; v: n rows of d in H, row stride v_ld;
+// out row stride out_ld), a vector of columns at a time held in registers over all n keys.
+template <typename H>
+void half_rows_apply(const float* p, int64_t ld, int64_t rows, const H* v, int64_t v_ld, int64_t n, int64_t d,
+                     float* out, int64_t out_ld, bool add) {
+  using VecH = at::vec::Vectorized<H>;
+  using VecF = at::vec::Vectorized<float>;
+  const int64_t d_vec = d - d % VecH::size();
+  const int64_t chunks = d_vec / VecH::size();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* p_row = p + r * ld;
+    float* out_row = out + r * out_ld;
+    switch (chunks) {  // up to 4 vectors of columns (d 128 in bfloat16 on AVX-512) in one pass
+      case 1:
+        half_row_apply<H, 1>(p_row, v, v_ld, n, out_row, add);
+        break;
+      case 2:
+        half_row_apply<H, 2>(p_row, v, v_ld, n, out_row, add);
+        break;
+      case 3:
+        half_row_apply<H, 3>(p_row, v, v_ld, n, out_row, add);
+        break;
+      case 4:
+        half_row_apply<H, 4>(p_row, v, v_ld, n, out_row, add);
+        break;
+    }
+    for (int64_t c = chunks > 4 ? 0 : d_vec; c < d_vec; c += VecH::size()) {
+      VecF lo = add ? VecF::loadu(out_row + c) : VecF(0.0f);
+      VecF hi = add ? VecF::loadu(out_row + c + VecF::size()) : VecF(0.0f);
+      for (int64_t j = 0; j < n; ++j) {
+        const VecF w(p_row[j]);
+        const auto [v_lo, v_hi] = at::vec::convert_to_float<H>(VecH::loadu(v + j * v_ld + c));
+        lo = at::vec::fmadd(w, v_lo, lo);
+        hi = at::vec::fmadd(w, v_hi, hi);
+      }
+      lo.store(out_row + c);
+      hi.store(out_row + c + VecF::size());
+    }
+    for (int64_t c = d_vec; c < d; ++c) {
+      float acc = add ? out_row[c] : 0.0f;
+      for (int64_t j = 0; j < n; ++j) acc += p_row[j] * static_cast<float>(v[j * v_ld + c]);
+      out_row[c] = acc;
+    }
+  }
+}
+
+inline void half_rows_dots(HalfKind kind, const float* q, int64_t q_ld, int64_t rows, const uint16_t* k, int64_t k_ld,
+                           int64_t n, int64_t d, float scale, float* scores, int64_t ld) {
+  if (kind == HalfKind::kBFloat16) {
+    half_rows_dots(q, q_ld, rows, reinterpret_cast<const at::BFloat16*>(k), k_ld, n, d, scale, scores, ld);
+  } else {
+    half_rows_dots(q, q_ld, rows, reinterpret_cast<const at::Half*>(k), k_ld, n, d, scale, scores, ld);
+  }
+}
+
+inline void half_rows_apply(HalfKind kind, const float* p, int64_t ld, int64_t rows, const uint16_t* v, int64_t v_ld,
+                            int64_t n, int64_t d, float* out, int64_t out_ld, bool add) {
+  if (kind == HalfKind::kBFloat16) {
+    half_rows_apply(p, ld, rows, reinterpret_cast<const at::BFloat16*>(v), v_ld, n, d, out, out_ld, add);
+  } else {
+    half_rows_apply(p, ld, rows, reinterpret_cast<const at::Half*>(v), v_ld, n, d, out, out_ld, add);
+  }
+}
+
 // One task's q, k and v in T when the tasks widen them (in.widen_in_tasks, from in.half_source): the keys and values of
 // one head at a time, widened when the task moves to another head (a head split among tasks is widened by each), and
 // the query rows of its current chunk, in place of the rows of a head's whole queries (row stride d_k, d_k and d_v as
@@ -108,6 +232,18 @@ class WidenedHead {
                  q_.data() + row0 * in.d_k);
     }
     return {q_.data(), k_.data(), v_.data()};
+  }
+
+  // Head bh's queries row0 .. row0 + rows widened (as rows_of gives them), the keys and values left as they are.
+  const T* query_rows_of(const AttentionInputs<T>& in, int64_t bh, int64_t row0, int64_t rows) {
+    if constexpr (std::is_same_v<T, float>) {
+      const HalfOperands& src = in.half_source;
+      q_.resize(static_cast<size_t>(in.len_q * in.d_k));
+      widen_rows(src.kind, head_row(src.q, src.q_stride, in.heads, bh, row0), src.q_stride.row, rows, in.d_k,
+                 q_.data() + row0 * in.d_k);
+      bh_ = -1;  // the keys and values held, if any, are no longer this head's
+    }
+    return q_.data();
   }
 
  private:
