@@ -62,7 +62,11 @@ def mask_for(kind, b, len_q, len_k):
 @pytest.mark.parametrize("need_weights", [False, True])
 def test_widened_in_tasks_matches_the_oracle_and_float32(monkeypatch, dtype, layout, shape, mask_kind, need_weights):
     monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")  # not torch's flash kernel, which multiplies in the half type
-    b, h, len_q, len_k, d_k, d_v = SHAPES[shape]
+    check_against_oracle_and_float32(dtype, layout, SHAPES[shape], mask_kind, need_weights)
+
+
+def check_against_oracle_and_float32(dtype, layout, shape, mask_kind, need_weights):
+    b, h, len_q, len_k, d_k, d_v = shape
     q, k = make(layout, b, h, len_q, d_k, dtype), make(layout, b, h, len_k, d_k, dtype)
     v = make(layout, b, h, len_k, d_v, dtype)
     mask = mask_for(mask_kind, b, len_q, len_k)
@@ -123,19 +127,7 @@ FEW_ROWS_SHAPES = {"one row, tails": (2, 3, 1, 37, 37, 72), "two rows": (1, 4, 2
 @pytest.mark.parametrize("mask_kind", MASKS)
 def test_few_query_rows_read_half_keys_and_values_as_they_are(monkeypatch, dtype, layout, shape, mask_kind):
     monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
-    b, h, len_q, len_k, d_k, d_v = FEW_ROWS_SHAPES[shape]
-    q, k = make(layout, b, h, len_q, d_k, dtype), make(layout, b, h, len_k, d_k, dtype)
-    v = make(layout, b, h, len_k, d_v, dtype)
-    mask = mask_for(mask_kind, b, len_q, len_k)
-    copies = [t.clone() for t in (q, k, v)]
-    out, _ = OPS.attention(q, k, v, mask, 0.0, False, False)
-    ref_out, _ = oracle_attention(q.double(), k.double(), v.double(), mask)
-    assert_close(out, ref_out, dtype)
-    out32, _ = OPS.attention(q.float(), k.float(), v.float(), mask, 0.0, False, False)
-    torch.testing.assert_close(out.float(), out32.to(dtype).float(), atol=1e-6, rtol=2 ** -7 if dtype ==
-                               torch.bfloat16 else 2 ** -10)
-    for t, copy in zip((q, k, v), copies):
-        assert torch.equal(t, copy)
+    check_against_oracle_and_float32(dtype, layout, FEW_ROWS_SHAPES[shape], mask_kind, False)
 
 
 @pytest.mark.parametrize("dtype", HALF_TYPES)

@@ -146,24 +146,18 @@ void half_rows_apply(const float* p, int64_t ld, int64_t rows, const H* v, int64
   using VecF = at::vec::Vectorized<float>;
   const int64_t d_vec = d - d % VecH::size();
   const int64_t chunks = d_vec / VecH::size();
+  // Up to 4 vectors of columns (d 128 in bfloat16 on AVX-512) in one pass; more a vector at a time.
+  constexpr int64_t kOnePassChunks = 4;
+  using OnePass = void (*)(const float*, const H*, int64_t, int64_t, float*, bool);
+  constexpr OnePass one_pass[kOnePassChunks + 1] = {nullptr, half_row_apply<H, 1>, half_row_apply<H, 2>,
+                                                    half_row_apply<H, 3>, half_row_apply<H, 4>};
   for (int64_t r = 0; r < rows; ++r) {
     const float* p_row = p + r * ld;
     float* out_row = out + r * out_ld;
-    switch (chunks) {  // up to 4 vectors of columns (d 128 in bfloat16 on AVX-512) in one pass
-      case 1:
-        half_row_apply<H, 1>(p_row, v, v_ld, n, out_row, add);
-        break;
-      case 2:
-        half_row_apply<H, 2>(p_row, v, v_ld, n, out_row, add);
-        break;
-      case 3:
-        half_row_apply<H, 3>(p_row, v, v_ld, n, out_row, add);
-        break;
-      case 4:
-        half_row_apply<H, 4>(p_row, v, v_ld, n, out_row, add);
-        break;
+    if (chunks >= 1 && chunks <= kOnePassChunks) {
+      one_pass[chunks](p_row, v, v_ld, n, out_row, add);
     }
-    for (int64_t c = chunks > 4 ? 0 : d_vec; c < d_vec; c += VecH::size()) {
+    for (int64_t c = chunks > kOnePassChunks ? 0 : d_vec; c < d_vec; c += VecH::size()) {
       VecF lo = add ? VecF::loadu(out_row + c) : VecF(0.0f);
       VecF hi = add ? VecF::loadu(out_row + c + VecF::size()) : VecF(0.0f);
       for (int64_t j = 0; j < n; ++j) {
