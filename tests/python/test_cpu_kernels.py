@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+from conftest import assert_close
 from oracle import oracle_attention
 from philox_reference import expected_keep
 
@@ -83,7 +84,7 @@ def test_dropout_same_mask_with_and_without_weights():
 
 
 SCRIPT = """
-import torch, fastmha
+import os, torch, fastmha
 torch.manual_seed(0)
 q, k, v = (torch.randn(2, 2, 77, 24, dtype=torch.float64) for _ in range(3))
 mask = torch.rand(2, 1, 77, 77) > 0.3
@@ -93,7 +94,14 @@ big = [torch.randn(1, 4, 1030, 16) for _ in range(3)]
 padding = (torch.arange(1030) < 700)[None, None, None, :]
 big_out, big_w, _, rng_state = torch.ops.fastmha._attention_forward(*big, padding, 0.3, True, False)
 multipliers = torch.ops.fastmha._dropout_multipliers(list(big_w.shape), 0.3, torch.float32, rng_state)
-torch.save((q, k, v, mask, out, w, big, padding, big_out, big_w, rng_state, multipliers), {path!r})
+# Decoding steps in half types through fastmha's widened products (keys and values read as they are), and float32
+# products small enough for the kernels' own loops.
+os.environ.update(FASTMHA_CPU_KERNELS="own", FASTMHA_CPU_HALF_GEMM="widen")
+steps = []
+for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    sq, sk, sv = (torch.randn(2, 3, n, d, dtype=dtype) for n, d in ((1, 40), (300, 40), (300, 48)))
+    steps.append((sq, sk, sv, torch.ops.fastmha.attention(sq, sk, sv, padding[..., :300], 0.0, False, False)[0]))
+torch.save((q, k, v, mask, out, w, big, padding, big_out, big_w, rng_state, multipliers, steps), {path!r})
 print(fastmha._C.cpu_capability())
 """
 
@@ -105,7 +113,10 @@ def test_every_cpu_variant_matches_the_oracle(tmp_path, capability):
     result = subprocess.run([sys.executable, "-c", SCRIPT.format(path=path)], env=env, capture_output=True,
                             text=True, check=True)
     assert result.stdout.strip() in (capability, "default")  # avx2 falls back where the CPU lacks it
-    q, k, v, mask, out, w, big, padding, big_out, big_w, rng_state, multipliers = torch.load(path)
+    q, k, v, mask, out, w, big, padding, big_out, big_w, rng_state, multipliers, steps = torch.load(path)
+    for sq, sk, sv, step_out in steps:
+        ref_out, _ = oracle_attention(sq.double(), sk.double(), sv.double(), padding[..., :300])
+        assert_close(step_out, ref_out, sq.dtype)
     causal = torch.tril(torch.ones(77, 77, dtype=torch.bool))
     ref_out, ref_w = oracle_attention(q, k, v, mask & causal)
     torch.testing.assert_close(out, ref_out)

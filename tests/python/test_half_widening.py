@@ -118,7 +118,8 @@ def test_kept_half_weights_are_the_float32_weights_rounded_once(monkeypatch, dty
 # in the half type as they are: head sizes that are not whole vectors (tails), one to four vectors of values in
 # one pass, more keys than a key block.
 FEW_ROWS_SHAPES = {"one row, tails": (2, 3, 1, 37, 37, 72), "two rows": (1, 4, 2, 1031, 64, 128),
-                   "one row, one key": (3, 2, 1, 1, 8, 8), "wide values": (1, 2, 1, 300, 16, 160)}
+                   "one row, one key": (3, 2, 1, 1, 8, 8), "wide values": (1, 2, 1, 300, 16, 160),
+                   "one vector": (1, 2, 1, 40, 32, 32), "three vectors": (2, 2, 2, 50, 16, 96)}
 
 
 @pytest.mark.parametrize("dtype", HALF_TYPES)
@@ -131,11 +132,30 @@ def test_few_query_rows_read_half_keys_and_values_as_they_are(monkeypatch, dtype
 
 
 @pytest.mark.parametrize("dtype", HALF_TYPES)
+@pytest.mark.parametrize("len_q", [1, 2])
+def test_few_query_rows_with_dropout_or_is_causal_match_float32(monkeypatch, dtype, len_q):
+    # The same dropout draw as the float32 kernel on the same values (it draws by position), and is_causal's
+    # hidden keys; the result at most one unit in the last place of the half type away.
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
+    q, k, v = (torch.randn(2, 3, n, 24, dtype=dtype) for n in (len_q, 90, 90))
+    for dropout_p, is_causal in ((0.25, False), (0.0, True)):
+        torch.manual_seed(5)
+        out, _ = OPS.attention(q, k, v, None, dropout_p, False, is_causal)
+        torch.manual_seed(5)
+        out32, _ = OPS.attention(q.float(), k.float(), v.float(), None, dropout_p, False, is_causal)
+        torch.testing.assert_close(out.float(), out32.to(dtype).float(), atol=1e-6, rtol=2 ** -7 if dtype ==
+                                   torch.bfloat16 else 2 ** -10)
+    ref_out, _ = oracle_attention(q.double(), k.double(), v.double(), torch.ones(len_q, 90).tril().bool())
+    assert_close(out, ref_out, dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF_TYPES)
 @pytest.mark.parametrize("len_q", [1, 2, 64])
-def test_non_finite_value_behind_the_padding_reaches_every_row(dtype, len_q):
+def test_non_finite_value_behind_the_padding_reaches_every_row(monkeypatch, dtype, len_q):
     # A NaN value at a padded key: its weight is exactly 0 and 0 * NaN is NaN, so that column of every output row
     # of the head is NaN in the math; a task must scan its own head's widened values before skipping those keys.
     # One or two query rows read the values in the half type as they are.
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
     b, h, length, d = 2, 4, 64, 16
     q = torch.randn(b, h, len_q, d, dtype=dtype)
     k, v = (torch.randn(b, h, length, d, dtype=dtype) for _ in range(2))
