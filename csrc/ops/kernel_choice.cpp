@@ -206,11 +206,12 @@ KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share, 
     const bool own_heads =
         dtype == at::kBFloat16 && own_half_backward_on_tiles_head_size(head_size) && half_on_native();
     const bool few_rows = dtype == at::kBFloat16 && call.query.size(2) <= kOwnHalfBackwardOnTilesUpToQueries;
-    if (call.key.size(2) > kOwnHalfBackwardOnTilesUpToKeys && !own_heads && few_rows) {
-      return {K::kOwnCpu, "bfloat16 backward with at most " + std::to_string(kOwnHalfBackwardOnTilesUpToQueries) +
-                              " query rows per head: fastmha's kernel is faster than torch's there, also on AMX tiles"};
-    }
     if (call.key.size(2) > kOwnHalfBackwardOnTilesUpToKeys && !own_heads) {
+      if (few_rows) {
+        return {K::kOwnCpu,
+                "bfloat16 backward with at most " + std::to_string(kOwnHalfBackwardOnTilesUpToQueries) +
+                    " query rows per head: fastmha's kernel is faster than torch's there, also on AMX tiles"};
+      }
       return {K::kStockCpu,
               "backward in a half type torch's CPU flash kernel multiplies on AMX tiles, over more than " +
                   std::to_string(kOwnHalfBackwardOnTilesUpToKeys) + " keys"};

@@ -65,6 +65,12 @@ def test_widened_in_tasks_matches_the_oracle_and_float32(monkeypatch, dtype, lay
     check_against_oracle_and_float32(dtype, layout, SHAPES[shape], mask_kind, need_weights)
 
 
+def assert_float32_rounded_once(out, out32):
+    """The float32 kernel on the same values, rounded once: at most one unit in the last place of the half type."""
+    torch.testing.assert_close(out.float(), out32.to(out.dtype).float(), atol=1e-6,
+                               rtol=2 ** -7 if out.dtype == torch.bfloat16 else 2 ** -10)
+
+
 def check_against_oracle_and_float32(dtype, layout, shape, mask_kind, need_weights):
     b, h, len_q, len_k, d_k, d_v = shape
     q, k = make(layout, b, h, len_q, d_k, dtype), make(layout, b, h, len_k, d_k, dtype)
@@ -77,10 +83,8 @@ def check_against_oracle_and_float32(dtype, layout, shape, mask_kind, need_weigh
     assert_close(out, ref_out, dtype)
     if need_weights:
         assert_close(weights, ref_weights, dtype)
-    # The float32 kernel on the same values, rounded once: at most one unit in the last place of the half type.
     out32, _ = OPS.attention(q.float(), k.float(), v.float(), mask, 0.0, need_weights, False)
-    torch.testing.assert_close(out.float(), out32.to(dtype).float(), atol=1e-6, rtol=2 ** -7 if dtype ==
-                               torch.bfloat16 else 2 ** -10)
+    assert_float32_rounded_once(out, out32)
     for t, copy in zip((q, k, v), copies):
         assert torch.equal(t, copy)
 
@@ -143,8 +147,7 @@ def test_few_query_rows_with_dropout_or_is_causal_match_float32(monkeypatch, dty
         out, _ = OPS.attention(q, k, v, None, dropout_p, False, is_causal)
         torch.manual_seed(5)
         out32, _ = OPS.attention(q.float(), k.float(), v.float(), None, dropout_p, False, is_causal)
-        torch.testing.assert_close(out.float(), out32.to(dtype).float(), atol=1e-6, rtol=2 ** -7 if dtype ==
-                                   torch.bfloat16 else 2 ** -10)
+        assert_float32_rounded_once(out, out32)
     ref_out, _ = oracle_attention(q.double(), k.double(), v.double(), torch.ones(len_q, 90).tril().bool())
     assert_close(out, ref_out, dtype)
 

@@ -30,8 +30,6 @@ namespace fastmha::cpu::CPU_CAPABILITY {
 // of tiny per-head products).
 constexpr int64_t kSmallGemm = 32 * 32 * 32;
 
-// The same contract as gemm() below, as loops the compiler vectorizes (each loop order keeps the innermost
-// index contiguous).
 // c[i, j] = alpha * a[i, :] . b[j, :] + beta * c[i, j]: the scores of a few query rows (a decoding step) against
 // up to thousands of keys. The compiler does not vectorize a scalar sum (it may not reorder it), so the dots
 // run on vector accumulators along the shared index, four rows of b at a time to overlap their latencies.
@@ -64,6 +62,8 @@ inline void small_dots(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int
   }
 }
 
+// The same contract as gemm() below, as loops the compiler vectorizes (each loop order keeps the innermost
+// index contiguous) and the dots above.
 template <typename T>
 inline void small_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda,
                        const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {

@@ -138,15 +138,14 @@ void half_row_apply(const float* p_row, const H* v, int64_t v_ld, int64_t n, flo
 }
 
 // out[r, :] (+)= p[r, :] . v for r < rows (p: rows x n fp32, row stride ld; v: n rows of d in H, row stride v_ld;
-// out row stride out_ld), a vector of columns at a time held in registers over all n keys.
+// out row stride out_ld), up to 4 vectors of columns (d 128 in bfloat16 on AVX-512) at a time held in registers over
+// all n keys.
 template <typename H>
 void half_rows_apply(const float* p, int64_t ld, int64_t rows, const H* v, int64_t v_ld, int64_t n, int64_t d,
                      float* out, int64_t out_ld, bool add) {
   using VecH = at::vec::Vectorized<H>;
-  using VecF = at::vec::Vectorized<float>;
   const int64_t d_vec = d - d % VecH::size();
   const int64_t chunks = d_vec / VecH::size();
-  // Up to 4 vectors of columns (d 128 in bfloat16 on AVX-512) in one pass; more a vector at a time.
   constexpr int64_t kOnePassChunks = 4;
   using OnePass = void (*)(const float*, const H*, int64_t, int64_t, float*, bool);
   constexpr OnePass one_pass[kOnePassChunks + 1] = {nullptr, half_row_apply<H, 1>, half_row_apply<H, 2>,
@@ -154,20 +153,9 @@ void half_rows_apply(const float* p, int64_t ld, int64_t rows, const H* v, int64
   for (int64_t r = 0; r < rows; ++r) {
     const float* p_row = p + r * ld;
     float* out_row = out + r * out_ld;
-    if (chunks >= 1 && chunks <= kOnePassChunks) {
-      one_pass[chunks](p_row, v, v_ld, n, out_row, add);
-    }
-    for (int64_t c = chunks > kOnePassChunks ? 0 : d_vec; c < d_vec; c += VecH::size()) {
-      VecF lo = add ? VecF::loadu(out_row + c) : VecF(0.0f);
-      VecF hi = add ? VecF::loadu(out_row + c + VecF::size()) : VecF(0.0f);
-      for (int64_t j = 0; j < n; ++j) {
-        const VecF w(p_row[j]);
-        const auto [v_lo, v_hi] = at::vec::convert_to_float<H>(VecH::loadu(v + j * v_ld + c));
-        lo = at::vec::fmadd(w, v_lo, lo);
-        hi = at::vec::fmadd(w, v_hi, hi);
-      }
-      lo.store(out_row + c);
-      hi.store(out_row + c + VecF::size());
+    for (int64_t c0 = 0; c0 < chunks; c0 += kOnePassChunks) {
+      const int64_t c = c0 * VecH::size();
+      one_pass[std::min(kOnePassChunks, chunks - c0)](p_row, v + c, v_ld, n, out_row + c, add);
     }
     for (int64_t c = d_vec; c < d; ++c) {
       float acc = add ? out_row[c] : 0.0f;
