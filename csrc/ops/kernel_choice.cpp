@@ -64,15 +64,13 @@ constexpr int64_t kOwnForwardUpToKeys = 512;
 // The most keys at which a backward in a half type that torch's kernels multiply on AMX tiles takes fastmha's
 // kernel: torch's backward costs several times more at short lengths, but leads from 1024 keys.
 constexpr int64_t kOwnHalfBackwardOnTilesUpToKeys = 512;
-// Whether a bfloat16 backward over more keys than that takes fastmha's kernel with its products native where torch's
-// kernels multiply on AMX tiles: measured at head sizes 64 and 128; others stay with torch's.
-constexpr bool own_half_backward_on_tiles_head_size(int64_t d) { return d == 64 || d == 128; }
+// Whether a bfloat16 forward without a mask that pays for it, or a backward over more keys than that, takes
+// fastmha's kernel with its products native where torch's kernels multiply on AMX tiles: measured at head sizes 64
+// and 128; others stay with torch's.
+constexpr bool own_half_on_tiles_head_size(int64_t d) { return d == 64 || d == 128; }
 // The most query rows per head at which a bfloat16 backward over more keys than that takes fastmha's kernel at any
 // head size, whatever its products (measured at 1-128 rows and 1024-4096 keys).
 constexpr int64_t kOwnHalfBackwardOnTilesUpToQueries = 128;
-// The head size at which a bfloat16 forward that both kernels multiply on AMX tiles takes fastmha's kernel (with its
-// products native) without a mask that pays for it.
-constexpr int64_t kOwnHalfForwardOnTilesHeadSize = 64;
 // The fewest query rows per head at which a longer float32 forward with its P V on brgemm takes fastmha's kernel:
 // measured from 1024 (as many queries as keys). Fewer rows (decoding steps, short query blocks) make a new product
 // shape at every length, which past the shapes the process runs on brgemm (cpu/float_gemm.h) multiply on the BLAS
@@ -157,11 +155,12 @@ KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share, 
       return {K::kOwnCpu, type + " forward without AMX tiles for " + type +
                               " in torch's CPU flash kernel: fastmha's kernel is as fast or faster"};
     }
-    if (dtype == at::kBFloat16 && call.query.size(3) == kOwnHalfForwardOnTilesHeadSize && half_on_native()) {
-      // Measured on an Intel Xeon with AMX-BF16 (Emerald Rapids) without a mask: fastmha's native forward took
-      // 0.85-0.96x torch's time at 256-8192 keys with d_k 64 (with is_causal 0.90-0.98x), but 1.01-1.07x with d_k
-      // 128, where torch's stays the default.
-      return {K::kOwnCpu, "bfloat16 forward with a head size of " + std::to_string(kOwnHalfForwardOnTilesHeadSize) +
+    if (dtype == at::kBFloat16 && own_half_on_tiles_head_size(call.query.size(3)) && half_on_native()) {
+      // Measured on an Intel Xeon with AMX-BF16 (Emerald Rapids) without a mask, once its weights' exp ran as its own
+      // polynomial: fastmha's native forward took 0.70-0.80x torch's time at 128-4096 keys with d_k 64 (is_causal
+      // 0.70-0.75x from 512 keys, 0.96x at 128); with d_k 128 0.79-0.88x at 512-4096 keys (is_causal 0.81-0.85x)
+      // and 0.83-0.99x at 128-256 (one run 1.21x at 128 keys, within this machine's noise there).
+      return {K::kOwnCpu, "bfloat16 forward with a head size of " + std::to_string(call.query.size(3)) +
                               " in native products: fastmha's kernel is faster than torch's there, also on AMX tiles"};
     }
     if (call.is_causal && !half) {  // other half types on AMX tiles stay with torch's
@@ -203,8 +202,7 @@ KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share, 
     // With at most 128 query rows per head fastmha's backward took 0.43-0.83x torch's time at 1024-4096 keys (bfloat16,
     // 1-128 rows, d_k 64, 96 and 128, products as `auto` picks them).
     const int64_t head_size = call.query.size(3);
-    const bool own_heads =
-        dtype == at::kBFloat16 && own_half_backward_on_tiles_head_size(head_size) && half_on_native();
+    const bool own_heads = dtype == at::kBFloat16 && own_half_on_tiles_head_size(head_size) && half_on_native();
     const bool few_rows = dtype == at::kBFloat16 && call.query.size(2) <= kOwnHalfBackwardOnTilesUpToQueries;
     if (call.key.size(2) > kOwnHalfBackwardOnTilesUpToKeys && !own_heads) {
       if (few_rows) {

@@ -101,9 +101,9 @@ def test_causal_forward_without_weights_runs_fastmhas_kernel():
             assert kernel == ("torch-cpu-flash" if on_tiles else "fastmha-cpu"), dtype
 
 
-def test_bfloat16_forward_with_heads_of_64_on_amx_tiles_runs_fastmhas_native_products(monkeypatch):
-    # Where torch multiplies bfloat16 on AMX tiles, fastmha's forward takes over for a head size of 64 when its own
-    # products run natively too (256 query rows or more, or 128-255 in chunks of 128 or more), with or without
+def test_bfloat16_forward_with_heads_of_64_or_128_on_amx_tiles_runs_fastmhas_native_products(monkeypatch):
+    # Where torch multiplies bfloat16 on AMX tiles, fastmha's forward takes over for head sizes of 64 and 128 when its
+    # own products run natively too (256 query rows or more, or 128-255 in chunks of 128 or more), with or without
     # is_causal; torch's keeps the rest.
     if not torch_on_tiles()[torch.bfloat16]:
         pytest.skip("torch multiplies bfloat16 without AMX tiles here: fastmha's forward runs at any head size")
@@ -119,14 +119,16 @@ def test_bfloat16_forward_with_heads_of_64_on_amx_tiles_runs_fastmhas_native_pro
     try:
         for heads, lq, d, is_causal, expected in (
                 (1, 256, 64, False, "fastmha-cpu"), (1, 300, 64, True, "fastmha-cpu"),
-                (1, 256, 128, False, "torch-cpu-flash"), (64, 255, 64, False, "fastmha-cpu"),
+                (1, 256, 128, False, "fastmha-cpu"), (1, 256, 128, True, "fastmha-cpu"),
+                (1, 256, 96, False, "torch-cpu-flash"), (64, 128, 128, False, "fastmha-cpu"),
+                (64, 127, 128, False, "torch-cpu-flash"), (64, 255, 64, False, "fastmha-cpu"),
                 (64, 128, 64, False, "fastmha-cpu"), (64, 192, 64, False, "fastmha-cpu"),
                 (64, 127, 64, False, "torch-cpu-flash"), (1, 128, 64, False, "torch-cpu-flash")):
             q, k, v = qkv(b=heads, h=1, lq=lq, lk=lq, d=d, dtype=torch.bfloat16)
             kernel, reason = choices(q, k, v, need_weights=False, is_causal=is_causal)["forward"]
             assert kernel == expected, (heads, lq, d, is_causal, reason)
             if expected == "fastmha-cpu":
-                assert reason.startswith("bfloat16 forward with a head size of 64 in native products"), reason
+                assert reason.startswith(f"bfloat16 forward with a head size of {d} in native products"), reason
     finally:
         torch.set_num_threads(threads)
 

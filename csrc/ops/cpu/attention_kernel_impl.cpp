@@ -28,6 +28,7 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -35,6 +36,7 @@
 #include "ops/cpu/blas.h"
 #include "ops/cpu/cache_line_buffer.h"
 #include "ops/cpu/float_gemm.h"
+#include "ops/cpu/half_weight_exp.h"
 #include "ops/cpu/key_span.h"
 #include "ops/cpu/philox_batch.h"
 #include "ops/cpu/task_queue.h"
@@ -387,10 +389,44 @@ Vectorized<T> first_lanes(const Vectorized<T>& x, int64_t count) {
   return Vectorized<T>::set(Vectorized<T>(T(0)), x, count);
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// row_max of a float row on AVX-512 in two instructions per vector where at::vec::maximum takes four to keep a NaN:
+// the plain max (which may drop one) and a running sum, NaN if some element is (or where infinities of both signs
+// meet); std::nullopt then, and the caller takes the exact max.
+inline std::optional<float> max_of_numbers(const float* s, int64_t n) {
+  const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 m0 = lowest, m1 = lowest, sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    const __m512 x0 = _mm512_loadu_ps(s + j), x1 = _mm512_loadu_ps(s + j + 16);
+    m0 = _mm512_max_ps(m0, x0);
+    m1 = _mm512_max_ps(m1, x1);
+    sum0 = _mm512_add_ps(sum0, x0);
+    sum1 = _mm512_add_ps(sum1, x1);
+  }
+  for (; j < n; j += 16) {
+    const __mmask16 lanes = n - j >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << (n - j)) - 1);
+    m0 = _mm512_mask_max_ps(m0, lanes, m0, _mm512_maskz_loadu_ps(lanes, s + j));
+    sum0 = _mm512_add_ps(sum0, _mm512_maskz_loadu_ps(lanes, s + j));
+  }
+  if (std::isnan(_mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1)))) {
+    return std::nullopt;
+  }
+  return _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
+}
+#endif
+
 // The max of a row (NaN if any element is NaN; -inf if it is empty). Four running maxima, so that long rows are
 // not held up by the latency of one chain of max instructions; the last few elements in one masked load.
 template <typename T>
 T row_max(const T* s, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) {
+    if (const std::optional<float> max = max_of_numbers(s, n)) {
+      return *max;
+    }
+  }
+#endif
   using Vec = Vectorized<T>;
   constexpr int64_t kLanes = Vec::size();
   const Vec lowest(-std::numeric_limits<T>::infinity());
@@ -421,14 +457,6 @@ Vectorized<T> softmax_exp(const Vectorized<T>& x, bool fast) {
   } else {
     return x.exp();
   }
-}
-
-// exp for weights that are rounded to a half type: where `fast`, torch's fast exp meant for results downcast to
-// bfloat16 or float16 (relative error at most 1.1e-4 over [-87, 0], measured: a fourth of float16's rounding; 0
-// below about -87 as softmax_exp), about two thirds of softmax_exp's instructions. The rows' sums, hence the
-// log-sum-exp that the forward returns for the backward, carry that error too (about 1e-4 rather than 1e-6).
-inline Vectorized<float> half_weight_exp(const Vectorized<float>& x, bool fast) {
-  return fast ? x.fexp_u20() : x.exp();
 }
 
 // In place: s <- exp(s - max); returns the sum of the exponentials. A row's last few elements take one masked
@@ -470,6 +498,14 @@ void scale_row(T* x, int64_t n, T factor) {
   at::vec::map([factor](Vec v) { return v * Vec(factor); }, x, x, n);
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// Whether the processor rounds fp32 to bfloat16 in one instruction (AVX512-BF16).
+inline bool bfloat16_rounding_instruction() {
+  static const bool instruction = __builtin_cpu_supports("avx512bf16");
+  return instruction;
+}
+#endif
+
 // Two vectors of floats rounded to the half type H (to nearest even) and stored at `out`: by AVX512-BF16's one
 // instruction where the processor has it (this variant is compiled without its flag, hence the assembly), otherwise
 // by ATen's conversion in a few integer steps. That instruction flushes results below bfloat16's normal range to
@@ -480,8 +516,7 @@ inline void store_rounded(const Vectorized<float>& lo, const Vectorized<float>& 
                           int64_t count = 2 * Vectorized<float>::size()) {
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<H, at::BFloat16>) {
-    static const bool instruction = __builtin_cpu_supports("avx512bf16");
-    if (instruction && count == 2 * Vectorized<float>::size()) {
+    if (bfloat16_rounding_instruction() && count == 2 * Vectorized<float>::size()) {
       __m512i bits;
       asm("vcvtne2ps2bf16 %2, %1, %0" : "=v"(bits) : "v"(__m512(hi)), "v"(__m512(lo)));  // low half from lo
       _mm512_storeu_si512(out, bits);
@@ -492,26 +527,72 @@ inline void store_rounded(const Vectorized<float>& lo, const Vectorized<float>& 
   at::vec::convert_from_float<H>(lo, hi).store(out, static_cast<int>(count));
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// exp_to_half_row's whole steps from..to of a bfloat16 row whose max is finite, where AVX512-BF16 rounds: the same
+// numbers, with the loop's state in registers (the generic loop reloads some of it around each store, which may
+// alias anything). Returns the sum of the exponentials.
+inline __m512 bfloat16_weight_steps(const float* s, int64_t from, int64_t to, const HalfWeightExp& exp,
+                                    const float* keep, const float* next, uint16_t* out) {
+  const __m512 scale = _mm512_set1_ps(exp.scale), max = _mm512_set1_ps(exp.max);
+  const __m512 log2e = _mm512_set1_ps(static_cast<float>(M_LOG2E));
+  const auto exponent = [&](const float* at) {  // as half_weights: rounded once, then in base 2
+    return _mm512_mul_ps(_mm512_fmsub_ps(_mm512_loadu_ps(at), scale, max), log2e);
+  };
+  __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+  for (int64_t j = from; j < to; j += 32) {
+    if (next != nullptr) {
+      __builtin_prefetch(next + j, 0, 3);
+      __builtin_prefetch(next + j + 16, 0, 3);
+    }
+    __m512 e0 = exp2_for_half_weights(exponent(s + j)), e1 = exp2_for_half_weights(exponent(s + j + 16));
+    sum0 = _mm512_add_ps(sum0, e0);
+    sum1 = _mm512_add_ps(sum1, e1);
+    if (keep != nullptr) {
+      e0 = _mm512_mul_ps(e0, _mm512_loadu_ps(keep + j));
+      e1 = _mm512_mul_ps(e1, _mm512_loadu_ps(keep + j + 16));
+    }
+    __m512i bits;
+    asm("vcvtne2ps2bf16 %2, %1, %0" : "=v"(bits) : "v"(e1), "v"(e0));  // low half from e0
+    _mm512_storeu_si512(out + j, bits);
+  }
+  return _mm512_add_ps(sum0, sum1);
+}
+#endif
+
 // Row r of a left operand of m rows (half_gemm.h) <- exp(scale * s - max) rounded to the half type, times the
 // dropout multipliers `keep` where given, and zeros beyond n up to padded_depth(n); returns the sum of the
-// exponentials (before dropout). The scale, the exp (half_weight_exp) and the rounding of the online forward's
-// exp_shifted and rows_to_half in one pass, for raw products s.
+// exponentials (before dropout). The scale, the exp (half_weights) and the rounding of the online forward's
+// exp_shifted and rows_to_half in one pass, for raw products s. `next`, where given, is the next row of scores of
+// the same length, fetched into the L1 cache along the way: the next row's max reads it from there, rather than
+// wait for the L2 cache (a block of scores is too large for L1).
 template <typename H>
 float exp_to_half_row(const float* s, int64_t n, float scale, float max, bool fast, const float* keep, uint16_t* left,
-                      int64_t r, int64_t m) {
+                      int64_t r, int64_t m, const float* next = nullptr) {
   using Vec = Vectorized<float>;
   constexpr int64_t kStep = 2 * Vec::size();
   static_assert(kDepthMultiple % kStep == 0 && kMaxDepthPiece % kStep == 0, "whole steps fit the padded depth");
-  const Vec scale_vec(scale), max_vec(max);
-  Vec sum_vec(0.0f);
+  const HalfWeightExp exp{scale, max};
+  Vec sum0(0.0f), sum1(0.0f);  // two sums: shorter chains of dependent adds
   for (int64_t k0 = 0; k0 < n; k0 += kMaxDepthPiece) {
     const int64_t end = std::min(n, k0 + kMaxDepthPiece);
     H* out = reinterpret_cast<H*>(left + left_index(r, k0, m)) - k0;
     int64_t j = k0;
+#if defined(CPU_CAPABILITY_AVX512)
+    if (std::is_same_v<H, at::BFloat16> && fast && bfloat16_rounding_instruction()) {
+      const int64_t whole = k0 + (end - k0) / kStep * kStep;
+      sum0 = sum0 + Vec(bfloat16_weight_steps(s, j, whole, exp, keep, next, reinterpret_cast<uint16_t*>(out)));
+      j = whole;
+    }
+#endif
     for (; j + kStep <= end; j += kStep) {
-      Vec e0 = half_weight_exp(Vec::loadu(s + j) * scale_vec - max_vec, fast);
-      Vec e1 = half_weight_exp(Vec::loadu(s + j + Vec::size()) * scale_vec - max_vec, fast);
-      sum_vec = sum_vec + e0 + e1;
+      if (next != nullptr) {  // one cache line per vector of 16 floats
+        __builtin_prefetch(next + j, 0, 3);
+        __builtin_prefetch(next + j + Vec::size(), 0, 3);
+      }
+      Vec e0 = half_weights(Vec::loadu(s + j), exp, fast),
+          e1 = half_weights(Vec::loadu(s + j + Vec::size()), exp, fast);
+      sum0 = sum0 + e0;
+      sum1 = sum1 + e1;
       if (keep != nullptr) {
         e0 = e0 * Vec::loadu(keep + j);
         e1 = e1 * Vec::loadu(keep + j + Vec::size());
@@ -525,8 +606,8 @@ float exp_to_half_row(const float* s, int64_t n, float scale, float max, bool fa
         if (count == 0) {
           return zero;
         }
-        const Vec e = first_lanes(half_weight_exp(load_first(s + at, count, 0.0f) * scale_vec - max_vec, fast), count);
-        sum_vec = sum_vec + e;
+        const Vec e = first_lanes(half_weights(load_first(s + at, count, 0.0f), exp, fast), count);
+        sum0 = sum0 + e;
         return keep != nullptr ? e * load_first(keep + at, count, 0.0f) : e;
       };
       const Vec w0 = weights(j, count0), w1 = weights(j + Vec::size(), count1);  // in this order: the sum's
@@ -539,7 +620,7 @@ float exp_to_half_row(const float* s, int64_t n, float scale, float max, bool fa
       std::fill(out + j, out + k0 + std::min(kMaxDepthPiece, padded_depth(n) - k0), H(0.0f));
     }
   }
-  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum_vec);
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum0 + sum1);
 }
 
 // Dropout multipliers (0 or 1/(1-p)) of elements first .. first + n - 1 of the (B, H, Lq, Lk) score layout.
@@ -1022,6 +1103,7 @@ void fold_half_block(const AttentionInputs<T>& in, const Head<T>& head, LeftOper
     const bool cut = in.is_causal && block.hi > row0 + 1;  // some row's causal limit falls inside the block
     for (int64_t r = 0; r < rows; ++r) {
       float* s = buf.scores.data() + r * ld;
+      const float* next = r + 1 < rows ? s + ld : nullptr;
       const float* keep = in.dropout_p > 0 ? buf.keep.data() + r * n : nullptr;
       uint16_t* left = scratch.left.data();
       // Unmasked rows keep their raw products: their max times the scale is the scaled scores' max (the scale is
@@ -1040,8 +1122,8 @@ void fold_half_block(const AttentionInputs<T>& in, const Head<T>& head, LeftOper
           block_max, buf.max[r], buf.sum[r],
           [&](float now, bool fast) {
             return half.kind == HalfKind::kBFloat16
-                       ? exp_to_half_row<at::BFloat16>(s, n, scale, now, fast, keep, left, r, rows)
-                       : exp_to_half_row<at::Half>(s, n, scale, now, fast, keep, left, r, rows);
+                       ? exp_to_half_row<at::BFloat16>(s, n, scale, now, fast, keep, left, r, rows, next)
+                       : exp_to_half_row<at::Half>(s, n, scale, now, fast, keep, left, r, rows, next);
           },
           [&] {
             for (int64_t k0 = 0; k0 < depth; k0 += kMaxDepthPiece) {
