@@ -151,7 +151,8 @@ def test_a_bad_switch_value_is_refused_in_any_dtype(monkeypatch):
 
 def test_float32_forward_on_brgemm_runs_fastmhas_kernel_beyond_512_keys_from_1024_queries(monkeypatch):
     """Without a mask the default runs torch's forward beyond 512 keys, unless the P V would run on brgemm and a
-    head has 1024 query rows or more (as measured; fewer rows make a new product shape at every length)."""
+    head has 1024 query rows or more (as measured; fewer rows make a new product shape at every length), or, in
+    float32, fastmha's kernels run AVX-512 and a head has 256 query rows or more."""
     monkeypatch.delenv("FASTMHA_CPU_KERNELS", raising=False)
     k = torch.randn(1, 2, 513, 16)
     for mode, dtype, rows in (("brgemm", torch.float32, 1024), ("brgemm", torch.float32, 1023),
@@ -160,8 +161,11 @@ def test_float32_forward_on_brgemm_runs_fastmhas_kernel_beyond_512_keys_from_102
         q = torch.randn(1, 2, rows, 16, dtype=dtype)
         line = fastmha.explain(q, k.to(dtype), k.to(dtype), None, 0.0, False, False).splitlines()[0]
         on_brgemm = mode == "brgemm" and dtype == torch.float32 and rows >= 1024 and brgemm_runs_here()
-        assert line.startswith("forward fastmha-cpu" if on_brgemm else "forward torch-cpu-flash"), line
-        assert ("faster than torch's beyond 512 keys too" in line) == on_brgemm, line
+        on_avx512 = dtype == torch.float32 and fastmha._C.cpu_capability() == "avx512"
+        own = on_brgemm or on_avx512
+        assert line.startswith("forward fastmha-cpu" if own else "forward torch-cpu-flash"), line
+        assert ("faster than torch's beyond 512 keys too" in line) == own, line
+        assert ("on oneDNN's brgemm over 1024 query rows" in line) == (on_brgemm and not on_avx512), line
 
 
 FRESH_PROCESS = """

@@ -87,6 +87,23 @@ def test_forward_without_weights_runs_fastmhas_kernel_up_to_512_keys_and_torchs_
         assert choices(q, k, v, need_weights=False)["forward"][0] == "torch-cpu-flash"
 
 
+def test_float32_forward_from_256_query_rows_runs_fastmhas_kernel_beyond_512_keys_on_avx512():
+    # Where fastmha's kernels run AVX-512 (their own polynomial exp) its float32 forward takes longer rows too, from
+    # 256 query rows per head; float64 (no such exp) and fewer rows stay with torch's.
+    avx512 = fastmha._C.cpu_capability() == "avx512"
+    for dtype, lq, expected in ((torch.float32, 256, "fastmha-cpu" if avx512 else "torch-cpu-flash"),
+                                (torch.float32, 255, "torch-cpu-flash"), (torch.float64, 256, "torch-cpu-flash")):
+        q, k, v = qkv(b=1, h=1, lq=lq, lk=600, dtype=dtype)
+        kernel, reason = choices(q, k, v, need_weights=False)["forward"]
+        assert kernel == expected, (dtype, lq, reason)
+        if expected == "fastmha-cpu":
+            assert reason.startswith("float32 forward over 256 query rows or more on AVX-512"), reason
+        if dtype == torch.float32 and lq == 256:
+            out, _ = torch.ops.fastmha.attention(q, k, v, None, 0.0, False, False)
+            want = torch.softmax(q.double() @ k.double().transpose(-1, -2) / 8**0.5, -1) @ v.double()
+            torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_causal_forward_without_weights_runs_fastmhas_kernel():
     for dtype in (torch.float64, torch.float32):
         q, k, v = qkv(dtype=dtype)
@@ -447,11 +464,11 @@ def test_backward_given_kept_weights_runs_fastmhas_kernel_at_any_length(monkeypa
 
 def test_block_without_weights_takes_the_same_choice(monkeypatch, capfd):
     monkeypatch.setenv("FASTMHA_LOG_KERNELS", "1")
-    block = fastmha.MultiHeadAttentionBlock(32, 4, 0.0, need_weights=False)
-    x = torch.randn(2, 600, 32)  # torch's forward from 513 keys on
+    block = fastmha.MultiHeadAttentionBlock(32, 4, 0.0, need_weights=False).double()
+    x = torch.randn(2, 600, 32, dtype=torch.float64)  # torch's forward from 513 keys on in float64
     mask = padding_mask(2, 600)
-    reference = fastmha.MultiHeadAttentionBlock(32, 4, 0.0, need_weights=True)
+    reference = fastmha.MultiHeadAttentionBlock(32, 4, 0.0, need_weights=True).double()
     reference.load_state_dict(block.state_dict())
-    assert_close(block(x, x, x, mask), reference(x, x, x, mask), torch.float32)
+    assert_close(block(x, x, x, mask), reference(x, x, x, mask), torch.float64)
     log = capfd.readouterr().err
     assert "-> torch-cpu-flash" in log and "-> fastmha-cpu" in log

@@ -153,15 +153,14 @@ def test_dropout_with_holes(own_kernels):
 
 
 def forward_choice(mask, lq=1024, lk=1024):
-    q, k, v = (torch.randn(1, 2, n, 64) for n in (lq, lk, lk))
+    q, k, v = (torch.randn(1, 2, n, 64, dtype=torch.float64) for n in (lq, lk, lk))
     line = fastmha.explain(q, k, v, mask, need_weights=False).splitlines()[0]
     return line.split(":")[0].split()[1], line
 
 
-def test_kernel_choice_counts_the_keys_inside_the_span_that_are_skipped(monkeypatch):
-    # The rule for a float32 forward whose P V is on the BLAS (on brgemm fastmha's kernel runs beyond 512 keys too,
-    # from 1024 query rows).
-    monkeypatch.setenv("FASTMHA_CPU_FLOAT_GEMM", "blas")
+def test_kernel_choice_counts_the_keys_inside_the_span_that_are_skipped():
+    # The rule for a float64 forward (float32's takes fastmha's kernel beyond 512 keys without a mask too, from 256
+    # query rows on AVX-512 or 1024 with its P V on brgemm).
     # Each of these masks spans nearly all keys from a chunk's first to its last visible one, but leaves a
     # small share of them to compute: fastmha's kernel skips the rest, torch's computes all.
     window = window_with_global_keys(1024, 1024, width=32, global_keys=16)

@@ -36,9 +36,9 @@
 #include "ops/cpu/blas.h"
 #include "ops/cpu/cache_line_buffer.h"
 #include "ops/cpu/float_gemm.h"
-#include "ops/cpu/half_weight_exp.h"
 #include "ops/cpu/key_span.h"
 #include "ops/cpu/philox_batch.h"
+#include "ops/cpu/softmax_exp2.h"
 #include "ops/cpu/task_queue.h"
 #include "ops/cpu/weights_row.h"
 #include "ops/cpu/widened_rows.h"
@@ -446,13 +446,19 @@ T row_max(const T* s, int64_t n) {
                                     at::vec::maximum(at::vec::maximum(m0, m1), at::vec::maximum(m2, m3)));
 }
 
-// exp for the softmax. `fast` takes torch's 20-ULP polynomial exp for float (the one its flash kernel uses: a
-// relative error near 1e-6, far below fp32 attention's rounding; exactly 1 at 0 and exactly 0 below about
-// -87, so uniform rows stay uniform and masked keys weigh 0). It does not return NaN for NaN or infinite
-// arguments, so callers ask for it only when the row's max or log-sum-exp is finite.
+// exp for the softmax. `fast` takes a polynomial exp for float: fastmha's on AVX-512 (softmax_exp2.h), torch's
+// 20-ULP one elsewhere (the one its flash kernel uses); both within about 1e-6, far below fp32 attention's
+// rounding, exactly 1 at 0 and exactly 0 below about -87, so uniform rows stay uniform and masked keys weigh 0.
+// torch's does not return NaN for NaN or infinite arguments, so callers ask for it only when the row's max or
+// log-sum-exp is finite.
 template <typename T>
 Vectorized<T> softmax_exp(const Vectorized<T>& x, bool fast) {
   if constexpr (std::is_same_v<T, float>) {
+#if defined(CPU_CAPABILITY_AVX512)
+    if (fast) {
+      return softmax_exp_avx512(x);
+    }
+#endif
     return fast ? x.exp_u20() : x.exp();
   } else {
     return x.exp();
