@@ -160,10 +160,10 @@ KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share, 
                               " in torch's CPU flash kernel: fastmha's kernel is as fast or faster"};
     }
     if (dtype == at::kBFloat16 && own_half_on_tiles_head_size(call.query.size(3)) && half_on_native()) {
-      // Measured on an Intel Xeon with AMX-BF16 (Emerald Rapids) without a mask, once its weights' exp ran as its own
-      // polynomial: fastmha's native forward took 0.70-0.80x torch's time at 128-4096 keys with d_k 64 (is_causal
-      // 0.70-0.75x from 512 keys, 0.96x at 128); with d_k 128 0.79-0.88x at 512-4096 keys (is_causal 0.81-0.85x)
-      // and 0.83-0.99x at 128-256 (one run 1.21x at 128 keys, within this machine's noise there).
+      // Measured on an Intel Xeon with AMX-BF16 (family 6, model 167 as reported) without a mask, once its weights'
+      // exp ran as its own polynomial: fastmha's native forward took 0.70-0.80x torch's time at 128-4096 keys with
+      // d_k 64 (is_causal 0.70-0.75x from 512 keys, 0.96x at 128); with d_k 128 0.79-0.88x at 512-4096 keys
+      // (is_causal 0.81-0.85x) and 0.83-0.99x at 128-256 (one run 1.21x at 128 keys, within this machine's noise).
       return {K::kOwnCpu, "bfloat16 forward with a head size of " + std::to_string(call.query.size(3)) +
                               " in native products: fastmha's kernel is faster than torch's there, also on AMX tiles"};
     }
@@ -183,10 +183,10 @@ KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share, 
     }
     if (dtype == at::kFloat && cpu::capability() == cpu::Capability::AVX512 &&
         call.query.size(2) >= kOwnFloatForwardOnAvx512FromQueries) {
-      // Measured on an Intel Xeon (Emerald Rapids) without a mask, once the softmax's exp ran as fastmha's own
-      // polynomial: fastmha's float32 forward took 0.89-0.93x torch's time at 1024-8192 keys with d_k 64 and
-      // 0.91-0.96x with d_k 128 (as many queries as keys, two runs each), 0.82-0.83x at 256 query rows over
-      // 2048-4096 keys.
+      // Measured on an Intel Xeon with AMX-BF16 (family 6, model 167 as reported) without a mask, once the softmax's
+      // exp ran as fastmha's own polynomial: fastmha's float32 forward took 0.89-0.93x torch's time at 1024-8192 keys
+      // with d_k 64 and 0.91-0.96x with d_k 128 (as many queries as keys, two runs each), 0.82-0.83x at 256 query
+      // rows over 2048-4096 keys.
       return {K::kOwnCpu, "float32 forward over " + std::to_string(kOwnFloatForwardOnAvx512FromQueries) +
                               " query rows or more on AVX-512: fastmha's kernel is faster than torch's beyond " +
                               std::to_string(kOwnForwardUpToKeys) + " keys too"};

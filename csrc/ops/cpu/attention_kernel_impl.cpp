@@ -99,10 +99,11 @@ Head<T> head_pointers(const AttentionInputs<T>& in, int64_t bh) {
   return head;
 }
 
-// The calling thread's operand buffers of the half-type products: one product's own operands, and a chunk's rows
-// padded or packed once for all its key blocks (the blocked backward's dO and Q, the online forward's Q).
+// The calling thread's operand buffers of the half-type products: one product's own operands, a chunk's rows
+// padded or packed once for all its key blocks (the blocked backward's dO and Q, the online forward's Q), and the
+// blocked backward's score gradients rounded once for two products (rows, then transposed).
 struct HalfScratch {
-  CacheLineVector<uint16_t> left, right, chunk_grad_out, chunk_q;
+  CacheLineVector<uint16_t> left, right, chunk_grad_out, chunk_q, grad_scores;
 };
 inline HalfScratch& half_scratch() {
   thread_local HalfScratch scratch;
@@ -151,6 +152,21 @@ void transposed_to_half(HalfKind kind, const T* src, int64_t ld, int64_t rows, i
   } else {
     TORCH_INTERNAL_ASSERT(false, "half-type products take float scores");
   }
+}
+
+// A left operand of m rows and n columns in the half type (half_gemm.h) transposed: a left operand of n rows of m
+// elements, in tiles of 32 x 32 16-bit elements (ATen's vector transpose), with its zero padding.
+inline void transposed_left(const uint16_t* src, int64_t m, int64_t n, uint16_t* dst) {
+  constexpr int64_t kTile = 32;  // divides kMaxDepthPiece: a tile's rows lie in one piece of src and of dst
+  for (int64_t r0 = 0; r0 < m; r0 += kTile) {
+    for (int64_t j0 = 0; j0 < n; j0 += kTile) {
+      at::vec::transpose_mxn<at::BFloat16>(reinterpret_cast<const at::BFloat16*>(src + left_index(r0, j0, m)),
+                                           kMaxDepthPiece, reinterpret_cast<at::BFloat16*>(dst + left_index(j0, r0, n)),
+                                           kMaxDepthPiece, static_cast<int>(std::min(kTile, m - r0)),
+                                           static_cast<int>(std::min(kTile, n - j0)));
+    }
+  }
+  zero_left_padding(n, m, dst);
 }
 
 // Columns lo .. lo + n of a head's packed K^T or V^T (zeros beyond its last packed key) as a right operand, when lo
@@ -1466,18 +1482,18 @@ void zero_masked_gradients(const AttentionInputs<T>& in, const Head<T>& head, in
   }
 }
 
-// One pass over a row: P = exp(S - shift) * scale, dP = dW * keep, dS = P * (dP - D), W = P * keep, where
-// D = sum_j dP_j P_j = dO . O (the forward output row; true with dropout too), so no row reduction is needed.
+// One pass over a row: P = exp(S - shift) * scale, dP = dW * keep, dS = P * (dP - D) * ds_scale, W = P * keep,
+// where D = sum_j dP_j P_j = dO . O (the forward output row; true with dropout too), so no row reduction is needed.
 // Masked scores have P = 0 exactly (exp(-1e9 - lse)), hence dS = 0, except in rows with exact softmax
 // constants (whose span is all keys) and in rows with a non-finite dS. p, dw and keep hold the span's columns.
 template <typename T>
 void fused_backward_row(const AttentionInputs<T>& in, const T* grad_out, const T* out, int64_t query,
                         const KeySpan& span, const Head<T>& head, const RowSoftmax<T>& softmax, T* p, T* dw,
-                        const T* keep) {
+                        const T* keep, T ds_scale = T(1)) {
   const int64_t width = span.size();
   using Vec = Vectorized<T>;
   const T d = output_dot(grad_out, out, in.d_v);
-  const Vec shift_vec(softmax.shift), scale_vec(softmax.scale), d_vec(d);
+  const Vec shift_vec(softmax.shift), scale_vec(softmax.scale), d_vec(d), ds_scale_vec(ds_scale);
   const bool dropout = keep != nullptr;
   const bool fast = std::isfinite(softmax.shift);
   int64_t j = 0;
@@ -1491,13 +1507,13 @@ void fused_backward_row(const AttentionInputs<T>& in, const T* grad_out, const T
     } else {
       prob.store(p + j);
     }
-    (prob * (dp - d_vec)).store(dw + j);
+    (prob * (dp - d_vec) * ds_scale_vec).store(dw + j);
   }
   for (; j < width; ++j) {
     const T prob = std::exp(p[j] - softmax.shift) * softmax.scale;
     const T k = dropout ? keep[j] : T(1);
     p[j] = prob * k;
-    dw[j] = prob * (dw[j] * k - d);
+    dw[j] = prob * (dw[j] * k - d) * ds_scale;
   }
   zero_masked_gradients(in, head, query, span, softmax, dw);
 }
@@ -1719,8 +1735,8 @@ void half_block_gradients(const AttentionInputs<T>& in, const AttentionBackwardT
                           int64_t rows, int64_t lo, int64_t n, const T* probs, T* grad_w, T* grad_q, int64_t ld_grad_q,
                           T* grad_k, T* grad_v, bool add_q) {
   if constexpr (std::is_same_v<T, float>) {
-    // dS is rounded scaled: scale * dS stays finite in float16 where dS alone may not (a large output gradient).
-    for (int64_t r = 0; r < rows; ++r) scale_row(grad_w + r * n, n, in.scale);
+    // dS comes scaled (fused_backward_row's ds_scale) and is rounded so: scale * dS stays finite in float16 where dS
+    // alone may not (a large output gradient).
     HalfScratch& scratch = half_scratch();
     const HalfKind kind = in.half.kind;
     const bool vnni = in.half.vnni;
@@ -1730,16 +1746,17 @@ void half_block_gradients(const AttentionInputs<T>& in, const AttentionBackwardT
     transposed_to_half(kind, probs, n, rows, n, scratch.left.data());
     half_gemm(kind, vnni, n, in.d_v, by_rows, scratch.left.data(), {scratch.chunk_grad_out.data(), by_rows},
               grad_v + lo * g.grad_v.stride.row, g.grad_v.stride.row, true);
+    // scale dS rounded once, rows for dQ and transposed for dK
+    hold_at_least(scratch.grad_scores, left_size(rows, by_keys));
+    rows_to_half(kind, grad_w, n, rows, n, scratch.grad_scores.data());
     // dK += scale dS^T Q
-    transposed_to_half(kind, grad_w, n, rows, n, scratch.left.data());
+    transposed_left(scratch.grad_scores.data(), rows, n, scratch.left.data());
     half_gemm(kind, vnni, n, in.d_k, by_rows, scratch.left.data(), {scratch.chunk_q.data(), by_rows},
               grad_k + lo * g.grad_k.stride.row, g.grad_k.stride.row, true);
     // dQ (+)= scale dS K
-    hold_at_least(scratch.left, left_size(rows, by_keys));
-    rows_to_half(kind, grad_w, n, rows, n, scratch.left.data());
     const PackedRight keys = rows_of_head(head.keys, head.packed_keys, head.half_k, in.half.k_stride.row, lo, n, in.d_k,
                                           vnni, scratch.right);
-    half_gemm(kind, vnni, rows, in.d_k, by_keys, scratch.left.data(), keys, grad_q, ld_grad_q, add_q);
+    half_gemm(kind, vnni, rows, in.d_k, by_keys, scratch.grad_scores.data(), keys, grad_q, ld_grad_q, add_q);
   } else {
     TORCH_INTERNAL_ASSERT(false, "half-type products take float scores");
   }
@@ -1852,8 +1869,10 @@ void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<
         kept_weights_backward_row(in, grad_out_row, out_row, row0 + r, part, head, softmax[r], kept + r * in.len_k + lo,
                                   grad_w.data() + r * n);
       } else {
+        // The half-type products take dS scaled (half_block_gradients); the others scale it in their GEMMs.
         fused_backward_row(in, grad_out_row, out_row, row0 + r, part, head, softmax[r], probs.data() + r * n,
-                           grad_w.data() + r * n, in.dropout_p > 0 ? keep.data() + r * n : nullptr);
+                           grad_w.data() + r * n, in.dropout_p > 0 ? keep.data() + r * n : nullptr,
+                           in.half.q != nullptr ? in.scale : T(1));
       }
     }
     if (in.half.q != nullptr) {
