@@ -551,8 +551,9 @@ inline void store_rounded(const Vectorized<float>& lo, const Vectorized<float>& 
 
 #if defined(CPU_CAPABILITY_AVX512)
 // exp_to_half_row's whole steps from..to of a bfloat16 row whose max is finite, where AVX512-BF16 rounds: the same
-// numbers, with the loop's state in registers (the generic loop reloads some of it around each store, which may
-// alias anything). Returns the sum of the exponentials.
+// weights, with the loop's state in registers (the generic loop reloads some of it around each store, which may
+// alias anything). Returns the sum of the exponentials (added in another order than the generic loop's, so the
+// row sums may differ in their last bits from a processor without AVX512-BF16).
 inline __m512 bfloat16_weight_steps(const float* s, int64_t from, int64_t to, const HalfWeightExp& exp,
                                     const float* keep, const float* next, uint16_t* out) {
   const __m512 scale = _mm512_set1_ps(exp.scale), max = _mm512_set1_ps(exp.max);

@@ -21,9 +21,9 @@ struct HalfWeightExp {
 #if defined(CPU_CAPABILITY_AVX512)
 // 2^t on AVX-512: f = t - floor(t) (vreduceps), 2^f by a polynomial on [0, 1) (least-squares fits with 2^0 = 1
 // exactly), times 2^floor(t) (vscalefps). Lanes below 2^-126 are zero, so that no lane makes a subnormal (slow on
-// some processors) and keys 87 or more below the max weigh exactly 0, masked ones (-1e9) among them; a NaN lane
-// stays NaN. Degree 4 (eight instructions): relative error at most 3.1e-6 in fp32, a thirtieth of bfloat16's
-// rounding; degree 5: 1.7e-7, a few fp32 roundings.
+// some processors) and keys about 87.3 or more below the max weigh exactly 0, masked ones (-1e9) among them; a NaN
+// lane stays NaN. Degree 4 (eight instructions): relative error at most 3.1e-6 in fp32, a thirtieth of bfloat16's
+// rounding; degree 5: 1.7e-7, a few fp32 roundings (for 2^t itself: the callers' t = x * log2(e) adds its own).
 template <int kDegree>
 inline __m512 exp2_polynomial(__m512 t) {
   static_assert(kDegree == 4 || kDegree == 5, "fits of degree 4 and 5");
@@ -48,9 +48,10 @@ inline __m512 exp2_polynomial(__m512 t) {
 
 inline __m512 exp2_for_half_weights(__m512 t) { return exp2_polynomial<4>(t); }
 
-// exp(x) for the float32 softmax where x = score - max (or - log-sum-exp) is at most about 0: within 1.7e-7 of exp
-// near 0 and 1e-6 or so down to -87 (x * log2(e) is rounded once), against torch's exp_u20 (1e-6) in about half its
-// instructions; exactly 1 at 0 and 0 below about -87.3.
+// exp(x) for the float32 softmax where x = score - max (or - log-sum-exp) is at most about 0, in about half the
+// instructions of torch's exp_u20: within 2e-7 of exp near 0, the error growing with |x| as x * log2(e) is rounded
+// once, to about 4e-6 between -32 and -87 (exp_u20: about 1e-6 there; such weights are below e^-32 of the row's
+// largest); exactly 1 at 0 and 0 below about -87.3.
 inline __m512 softmax_exp_avx512(__m512 x) {
   return exp2_polynomial<5>(_mm512_mul_ps(x, _mm512_set1_ps(static_cast<float>(M_LOG2E))));
 }
