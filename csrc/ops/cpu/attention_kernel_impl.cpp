@@ -422,8 +422,9 @@ inline std::optional<float> max_of_numbers(const float* s, int64_t n) {
   }
   for (; j < n; j += 16) {
     const __mmask16 lanes = n - j >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << (n - j)) - 1);
-    m0 = _mm512_mask_max_ps(m0, lanes, m0, _mm512_maskz_loadu_ps(lanes, s + j));
-    sum0 = _mm512_add_ps(sum0, _mm512_maskz_loadu_ps(lanes, s + j));
+    const __m512 x = _mm512_maskz_loadu_ps(lanes, s + j);
+    m0 = _mm512_mask_max_ps(m0, lanes, m0, x);
+    sum0 = _mm512_add_ps(sum0, x);
   }
   if (std::isnan(_mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1)))) {
     return std::nullopt;
