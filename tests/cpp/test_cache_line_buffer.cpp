@@ -22,7 +22,5 @@ TEST_CASE("cache-line buffers are aligned at every size", "[cpu][cache_line_buff
     floats.resize(2 * n + 5);  // regrown: a new block, aligned too, the old elements kept
     CHECK(on_cache_line(floats.data()));
     CHECK(floats[n - 1] == 1.0f);
-    const auto array = fastmha::cpu::cache_line_array<uint16_t>(n);
-    CHECK(on_cache_line(array.get()));
   }
 }

@@ -5,6 +5,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <cstdint>
 #include <thread>
 #include <vector>
 
@@ -51,6 +52,21 @@ TEST_CASE("Buffers under 4 MiB are plain tensors and are not kept", "[large buff
   fastmha::cpu::empty_large({kMiB / 4}, kFloat).reset();
   fastmha::cpu::empty_large({kMiB}, at::TensorOptions().dtype(at::kInt)).reset();  // exactly 4 MiB: kept
   CHECK(fastmha::cached_cpu_buffer_bytes() == static_cast<size_t>(4 * kMiB));
+}
+
+TEST_CASE("A lower threshold keeps smaller buffers, in whole 2 MiB", "[large buffer]") {
+  fastmha::release_cpu_buffers();
+  const auto shorts = at::TensorOptions().dtype(at::kShort);
+  fastmha::cpu::empty_large({kMiB / 4}, shorts, kMiB).reset();  // 512 KiB: under the threshold, not kept
+  CHECK(fastmha::cached_cpu_buffer_bytes() == 0);
+  auto packs = fastmha::cpu::empty_large({kMiB / 2 + 1}, shorts, kMiB);  // just over 1 MiB: a 2 MiB buffer
+  const void* memory = packs.data_ptr();
+  CHECK(reinterpret_cast<std::uintptr_t>(memory) % 64 == 0);
+  packs.reset();
+  CHECK(fastmha::cached_cpu_buffer_bytes() == static_cast<size_t>(2 * kMiB));
+  const auto next_call = fastmha::cpu::empty_large({kMiB - 7}, shorts, kMiB);  // reused
+  CHECK(next_call.data_ptr() == memory);
+  CHECK(fastmha::cached_cpu_buffer_bytes() == 0);
 }
 
 TEST_CASE("At most 16 buffers and 1 GiB are kept, the newest", "[large buffer]") {

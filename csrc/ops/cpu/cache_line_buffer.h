@@ -35,16 +35,4 @@ struct CacheLineAllocator {
 template <typename T>
 using CacheLineVector = std::vector<T, CacheLineAllocator<T>>;
 
-// An array of n elements left uninitialized (its users write every element they read), aligned to kCacheLine.
-struct CacheLineDelete {
-  void operator()(void* p) const noexcept { ::operator delete[](p, std::align_val_t{kCacheLine}); }
-};
-template <typename T>
-using CacheLineArray = std::unique_ptr<T[], CacheLineDelete>;
-
-template <typename T>
-CacheLineArray<T> cache_line_array(std::size_t n) {
-  return CacheLineArray<T>(static_cast<T*>(::operator new[](n * sizeof(T), std::align_val_t{kCacheLine})));
-}
-
 }  // namespace fastmha::cpu

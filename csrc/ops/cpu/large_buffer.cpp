@@ -211,8 +211,12 @@ LargeBufferAllocator& large_buffer_allocator() {
 }  // namespace
 
 at::Tensor empty_large(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  return empty_large(sizes, options, kMinBytes);
+}
+
+at::Tensor empty_large(at::IntArrayRef sizes, const at::TensorOptions& options, size_t min_bytes) {
   const size_t bytes = c10::multiply_integers(sizes) * options.dtype().itemsize();
-  if (bytes < kMinBytes || options.device().type() != c10::DeviceType::CPU) {
+  if (bytes < min_bytes || options.device().type() != c10::DeviceType::CPU) {
     return at::empty(sizes, options);
   }
   return at::detail::empty_generic(sizes, &large_buffer_allocator(), c10::DispatchKeySet(c10::DispatchKey::CPU),
