@@ -3,7 +3,7 @@ pieces (each by the rows that see some key of it) and a row cut short by causali
 it sees, zeros beyond: the same numbers as the oracle's explicit lower-triangular mask, in every dtype, with chunks
 of 128 and 256 rows, key blocks that end inside and beyond the diagonal, Lq != Lk and head sizes that pad; and where
 the keys a row does not see weigh something after all (every score it sees below -1e9: the hidden keys take all the
-weight) or hide a NaN or an infinity (zero weight times it is NaN).
+weight) or hide a NaN or an infinity (zero weight times it is NaN); with dropout, the draw of each row and key.
 """
 
 import pytest
@@ -79,3 +79,18 @@ def test_a_non_finite_value_past_the_diagonal_spoils_the_rows_before_it(monkeypa
     finite = ~torch.isnan(ref)
     assert_close(out[finite], ref[finite], dtype)
 
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("half_gemm", ["auto", "reference"])
+def test_dropout_in_pieces_keeps_the_forwards_draw(monkeypatch, dtype, half_gemm):
+    if dtype.itemsize != 2 and half_gemm != "auto":
+        pytest.skip("products in the half type are for half types")
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
+    monkeypatch.setenv("FASTMHA_CPU_HALF_GEMM", half_gemm)
+    lq, lk, p = 300, 280, 0.3
+    q, k, v = (torch.randn(1, 8, n, 64).to(dtype) for n in (lq, lk, lk))
+    out, _, _, rng_state = torch.ops.fastmha._attention_forward(q, k, v, None, p, False, True)
+    keep = torch.ops.fastmha._dropout_multipliers([1, 8, lq, lk], p, torch.float64, rng_state) != 0
+    ref, _ = oracle_attention(q.double(), k.double(), v.double(), causal(lq, lk), keep, p)
+    assert_close(out, ref, dtype)
