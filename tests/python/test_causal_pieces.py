@@ -1,6 +1,7 @@
-"""is_causal on fastmha's own forward kernel, at sizes where a chunk of query rows folds its diagonal key block in
-pieces (each by the rows that see some key of it) and a row cut short by causality takes its weights over the keys
-it sees, zeros beyond: the same numbers as the oracle's explicit lower-triangular mask, in every dtype, with chunks
+"""is_causal on fastmha's own kernels, at sizes where a chunk of query rows folds its diagonal key block in pieces
+(each by the rows that see some key of it; forward, and backward where its products run in T) and a row cut short
+by causality takes its weights over the keys it sees, zeros beyond: the same output and gradients as the oracle's
+explicit lower-triangular mask, in every dtype, with chunks
 of 128 and 256 rows, key blocks that end inside and beyond the diagonal, Lq != Lk and head sizes that pad; and where
 the keys a row does not see weigh something after all (every score it sees below -1e9: the hidden keys take all the
 weight) or hide a NaN or an infinity (zero weight times it is NaN); with dropout, the draw of each row and key.
@@ -94,3 +95,74 @@ def test_dropout_in_pieces_keeps_the_forwards_draw(monkeypatch, dtype, half_gemm
     keep = torch.ops.fastmha._dropout_multipliers([1, 8, lq, lk], p, torch.float64, rng_state) != 0
     ref, _ = oracle_attention(q.double(), k.double(), v.double(), causal(lq, lk), keep, p)
     assert_close(out, ref, dtype)
+
+
+def own_gradients(monkeypatch, q, k, v, block, half_gemm, p=0.0):
+    """Output and (dQ, dK, dV) of fastmha's own kernels for the loss sum(output * G), G fixed; and the forward's
+    keep mask with dropout."""
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
+    monkeypatch.setenv("FASTMHA_CPU_KEY_BLOCK", block)
+    monkeypatch.setenv("FASTMHA_CPU_HALF_GEMM", half_gemm)
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    out, _, _, rng_state = torch.ops.fastmha._attention_forward(q, k, v, None, p, False, True)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    out, _ = torch.ops.fastmha.attention(q, k, v, None, p, False, True) if p == 0 else (out, None)
+    grads = torch.autograd.grad((out * weight).sum(), (q, k, v))
+    keep = torch.ops.fastmha._dropout_multipliers(list(out.shape[:3]) + [k.shape[2]], p, torch.float64, rng_state)
+    return out, grads, weight, keep != 0
+
+
+def oracle_gradients(q, k, v, weight, keep=None, p=0.0):
+    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
+    out, _ = oracle_attention(q, k, v, causal(q.shape[2], k.shape[2]), keep, p)
+    return out, torch.autograd.grad((out * weight.double()).sum(), (q, k, v))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("block", ["", "64"], ids=["block=auto", "block=64"])
+@pytest.mark.parametrize("half_gemm", ["auto", "widen"])
+def test_causal_gradients_match_the_oracle(monkeypatch, dtype, shape, block, half_gemm):
+    if dtype.itemsize != 2 and half_gemm != "auto":
+        pytest.skip("products in the half type are for half types")
+    b, h, lq, lk = shape
+    q, k, v = (torch.randn(b, h, n, 64).to(dtype) for n in (lq, lk, lk))
+    out, grads, weight, _ = own_gradients(monkeypatch, q, k, v, block, half_gemm)
+    ref_out, ref_grads = oracle_gradients(q, k, v, weight)
+    assert_close(out, ref_out, dtype)
+    for got, want in zip(grads, ref_grads):
+        assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("length", [256, 300])
+def test_gradients_where_hidden_keys_take_the_weight(monkeypatch, length):
+    # Scores of about -2^33, as above, that vary from key to key: in float64, where they are exact (float32 rounds
+    # such scores by hundreds, which changes their softmax; the kernels' code is the same template).
+    dtype = torch.float64
+    q = (2.0**15 + torch.randint(-4, 4, (1, 8, length, 64)) * 2.0**-3).to(dtype)
+    k = -(2.0**15 + torch.randint(-4, 4, (1, 8, length, 64)) * 2.0**-3).to(dtype)
+    v = torch.randn(1, 8, length, 64).to(dtype)
+    out, grads, weight, _ = own_gradients(monkeypatch, q, k, v, "", "auto")
+    ref_out, ref_grads = oracle_gradients(q, k, v, weight)
+    assert_close(out, ref_out, dtype)
+    for got, want in zip(grads, ref_grads):
+        assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_dropout_gradients_in_pieces_keep_the_forwards_draw(monkeypatch, dtype):
+    q, k, v = (torch.randn(1, 8, n, 64).to(dtype) for n in (300, 280, 280))
+    p = 0.3
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    torch.manual_seed(5)
+    out, _ = torch.ops.fastmha.attention(q, k, v, None, p, False, True)
+    torch.manual_seed(5)
+    _, _, _, rng_state = torch.ops.fastmha._attention_forward(q.detach(), k.detach(), v.detach(), None, p, False, True)
+    keep = torch.ops.fastmha._dropout_multipliers([1, 8, 300, 280], p, torch.float64, rng_state) != 0
+    weight = torch.randn(out.shape, dtype=dtype)
+    grads = torch.autograd.grad((out * weight).sum(), (q, k, v))
+    ref_out, ref_grads = oracle_gradients(q, k, v, weight, keep, p)
+    assert_close(out, ref_out, dtype)
+    for got, want in zip(grads, ref_grads):
+        assert_close(got, want, dtype)

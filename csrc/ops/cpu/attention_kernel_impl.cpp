@@ -1900,60 +1900,73 @@ void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<
   if (in.half.q != nullptr) {
     half_chunk_rows(in, half_grad_out, g.grad_out_stride.row, head, row0, rows);
   }
+  // Causal pieces as in the forward (causal_pieces), where the rows' softmax constants leave the keys they do not
+  // see a weight of exactly 0 (may_skip) and no product runs in the half type (whose operands are packed per chunk).
+  const bool pieces = in.is_causal && head.mask == nullptr && may_skip && kept == nullptr && in.half.q == nullptr &&
+                      !non_finite.any(in, head, bh);
   bool computed = false;
   for (int64_t from = span.lo; from < span.hi;) {
-    const KeySpan part = next_block(in, head, row0, rows, span, from, narrow);
-    if (part.size() == 0) {
+    const KeySpan block = next_block(in, head, row0, rows, span, from, narrow);
+    if (block.size() == 0) {
       break;
     }
-    from = part.hi;
-    const int64_t n = part.size(), lo = part.lo;
-    // Rows of the block in T (none where the products run in the half type).
-    const T* v_part = head.v != nullptr ? head.v + lo * in.v_stride.row : nullptr;
-    const T* k_part = head.k != nullptr ? head.k + lo * in.k_stride.row : nullptr;
-    if (kept == nullptr) {
-      block_scores(in, head, row0, rows, part, probs.data(), n);
-    }
-    if (in.half.q != nullptr) {
-      half_grad_weights(in, half_grad_out, g.grad_out_stride.row, head, rows, lo, n, grad_w.data());
-    } else {
-      gemm<T>(false, true, rows, n, in.d_v, T(1), grad_out, ld_grad_out, v_part, in.v_stride.row, T(0), grad_w.data(),
-              n);
-    }
-    if (in.dropout_p > 0 && kept == nullptr) {
-      fill_chunk_keep(in, first_row, rows, part, words, keep.data());
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      const T* grad_out_row = grad_out + r * ld_grad_out;
-      const T* out_row = out + r * chunk_rows.ld_out;
-      if (kept != nullptr && in.dropout_p > 0) {
-        kept_dropout_weights_backward_row(in, grad_out_row, out_row, row0 + r, part, head, softmax[r],
-                                          kept + r * in.len_k + lo, grad_w.data() + r * n);
-      } else if (kept != nullptr) {
-        kept_weights_backward_row(in, grad_out_row, out_row, row0 + r, part, head, softmax[r], kept + r * in.len_k + lo,
-                                  grad_w.data() + r * n);
-      } else {
-        // The half-type products take dS scaled (half_block_gradients); the others scale it in their GEMMs.
-        fused_backward_row(in, grad_out_row, out_row, row0 + r, part, head, softmax[r], probs.data() + r * n,
-                           grad_w.data() + r * n, in.dropout_p > 0 ? keep.data() + r * n : nullptr,
-                           in.half.q != nullptr ? in.scale : T(1));
+    from = block.hi;
+    causal_pieces(in, row0, rows, block, pieces, [&](int64_t skip, const KeySpan& part) {
+      // The rows from `skip` on: their dO, O, Q and dQ rows, softmax constants and place in the score layout.
+      const int64_t m = rows - skip, n = part.size(), lo = part.lo;
+      const T* piece_grad_out = grad_out + skip * ld_grad_out;
+      const T* piece_out = out + skip * chunk_rows.ld_out;
+      const T* piece_q = q_rows != nullptr ? q_rows + skip * in.q_stride.row : nullptr;
+      T* piece_grad_q = grad_q + skip * ld_grad_q;
+      // Rows of the block in T (none where the products run in the half type).
+      const T* v_part = head.v != nullptr ? head.v + lo * in.v_stride.row : nullptr;
+      const T* k_part = head.k != nullptr ? head.k + lo * in.k_stride.row : nullptr;
+      if (kept == nullptr) {
+        block_scores(in, head, row0 + skip, m, part, probs.data(), n);
       }
-    }
-    if (in.half.q != nullptr) {
-      half_block_gradients(in, g, head, rows, lo, n, probs.data(), grad_w.data(), grad_q, ld_grad_q, grad_k, grad_v,
-                           computed);
+      if (in.half.q != nullptr) {
+        half_grad_weights(in, half_grad_out, g.grad_out_stride.row, head, rows, lo, n, grad_w.data());
+      } else {
+        gemm<T>(false, true, m, n, in.d_v, T(1), piece_grad_out, ld_grad_out, v_part, in.v_stride.row, T(0),
+                grad_w.data(), n);
+      }
+      if (in.dropout_p > 0 && kept == nullptr) {
+        fill_chunk_keep(in, first_row + skip, m, part, words, keep.data());
+      }
+      for (int64_t r = 0; r < m; ++r) {
+        const T* grad_out_row = piece_grad_out + r * ld_grad_out;
+        const T* out_row = piece_out + r * chunk_rows.ld_out;
+        const int64_t query = row0 + skip + r;
+        if (kept != nullptr && in.dropout_p > 0) {
+          kept_dropout_weights_backward_row(in, grad_out_row, out_row, query, part, head, softmax[skip + r],
+                                            kept + (skip + r) * in.len_k + lo, grad_w.data() + r * n);
+        } else if (kept != nullptr) {
+          kept_weights_backward_row(in, grad_out_row, out_row, query, part, head, softmax[skip + r],
+                                    kept + (skip + r) * in.len_k + lo, grad_w.data() + r * n);
+        } else {
+          // The half-type products take dS scaled (half_block_gradients); the others scale it in their GEMMs.
+          fused_backward_row(in, grad_out_row, out_row, query, part, head, softmax[skip + r], probs.data() + r * n,
+                             grad_w.data() + r * n, in.dropout_p > 0 ? keep.data() + r * n : nullptr,
+                             in.half.q != nullptr ? in.scale : T(1));
+        }
+      }
+      if (in.half.q != nullptr) {
+        half_block_gradients(in, g, head, rows, lo, n, probs.data(), grad_w.data(), grad_q, ld_grad_q, grad_k, grad_v,
+                             computed);
+        computed = true;
+        return;
+      }
+      // dV += W^T dO ; dQ (+)= scale * dS K ; dK += scale * dS^T Q (over this piece's keys and rows). The first
+      // piece of the first block has every row (causal_pieces), so every dQ row is written before one is added to.
+      const T* applied = kept != nullptr ? kept + skip * in.len_k + lo : probs.data();
+      gemm<T>(true, false, n, in.d_v, m, T(1), applied, kept != nullptr ? in.len_k : n, piece_grad_out, ld_grad_out,
+              T(1), grad_v + lo * ld_grad_v, ld_grad_v);
+      gemm<T>(false, false, m, in.d_k, n, in.scale, grad_w.data(), n, k_part, in.k_stride.row, computed ? T(1) : T(0),
+              piece_grad_q, ld_grad_q);
+      gemm<T>(true, false, n, in.d_k, m, in.scale, grad_w.data(), n, piece_q, in.q_stride.row, T(1),
+              grad_k + lo * ld_grad_k, ld_grad_k);
       computed = true;
-      continue;
-    }
-    // dV += W^T dO ; dQ (+)= scale * dS K ; dK += scale * dS^T Q (over this block's keys)
-    const T* applied = kept != nullptr ? kept + lo : probs.data();
-    gemm<T>(true, false, n, in.d_v, rows, T(1), applied, kept != nullptr ? in.len_k : n, grad_out, ld_grad_out, T(1),
-            grad_v + lo * ld_grad_v, ld_grad_v);
-    gemm<T>(false, false, rows, in.d_k, n, in.scale, grad_w.data(), n, k_part, in.k_stride.row, computed ? T(1) : T(0),
-            grad_q, ld_grad_q);
-    gemm<T>(true, false, n, in.d_k, rows, in.scale, grad_w.data(), n, q_rows, in.q_stride.row, T(1),
-            grad_k + lo * ld_grad_k, ld_grad_k);
-    computed = true;
+    });
   }
   if (!computed) {
     zero_rows(grad_q, ld_grad_q, rows, in.d_k);
