@@ -76,6 +76,22 @@ def test_bench_kernel_choice_quick_run_with_every_mask(tmp_path):
     assert "| padding+causal | float32 |" in out.with_suffix(".md").read_text()
 
 
+def test_plot_kernel_choice_draws_the_runs_it_is_given(tmp_path):
+    bench, plot = (str(ROOT / "benchmarks" / name) for name in ("bench_kernel_choice.py", "plot_kernel_choice.py"))
+    for dtype in ("float32", "bfloat16"):
+        subprocess.run([sys.executable, bench, "--quick", "--dtypes", dtype, "--masks", "none,is_causal", "--out",
+                        str(tmp_path / dtype)], check=True, capture_output=True, timeout=300)
+    runs = [str(tmp_path / f"{dtype}.json") for dtype in ("float32", "bfloat16")]
+    png = tmp_path / "plots" / "choice.png"
+    subprocess.run([sys.executable, plot, *runs, "--out", str(png)], check=True, capture_output=True, timeout=120)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    # A column the runs did not measure for a dtype is refused by name, and nothing is drawn.
+    refused = subprocess.run([sys.executable, plot, runs[0], "--column", "native", "--out", str(tmp_path / "x.png")],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "--column native was not measured for float32" in refused.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
 def test_bench_kernel_choice_pads_every_sequence_to_the_kept_share(tmp_path):
     out = tmp_path / "kept"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_kernel_choice.py"), "--quick", "--dtypes",
