@@ -1120,6 +1120,8 @@ bool fold_half_block(const AttentionInputs<T>& in, const Head<T>& head, LeftOper
     const HalfOperands& half = in.half;
     HalfScratch& scratch = half_scratch();
     const int64_t row0 = chunk_row0 + skip, rows = chunk_rows - skip, first_row = chunk_first_row + skip;
+    // A suffix of a laid-out operand starts skip rows into its first depth piece: one piece deep only.
+    TORCH_INTERNAL_ASSERT(skip == 0 || (skip % kRowMultiple == 0 && padded_depth(in.d_k) <= kMaxDepthPiece));
     const LeftOperand q_left(chunk_q.data + skip * chunk_q.row_stride(), chunk_q.ld);
     T* const out_rows = chunk_out + skip * out_ld;
     T* const max = buf.max.data() + skip;
@@ -1204,8 +1206,9 @@ void log_sum_exp(const T* max, const T* sum, int64_t n, T* lse) {
 // key of it: the products skip the rows above the diagonal in steps of a piece, most of the block's triangle. On an
 // Intel Xeon with AMX (8 heads, d_k 64, 128-1024 keys) the float32 forward took 0.81-0.86x the time of whole
 // blocks; in bfloat16 products on AMX tiles, where a piece's fixed costs weigh more, 0.92-1.03x. Pieces start on
-// kPanel keys, as blocks do (columns_of_head), and skip a multiple of kRowMultiple rows of a left operand one depth
-// piece deep (fold_half_block). Called with `pieces` only where the rows' skipped keys can weigh 0 (online_chunk
+// kPanel keys past row0 (a multiple of kPanel), where the heads' packs serve them (columns_of_head; blocks of other
+// sizes pack their own), and skip a multiple of kRowMultiple rows of a left operand one depth piece deep
+// (fold_half_block). Called with `pieces` only where the rows' skipped keys can weigh 0 (online_chunk
 // checks each row's final max, as for skipped keys): no mask (every row sees key 0, so the span's first block
 // computes every row's output), no NaN or infinite value among the values.
 constexpr int64_t kCausalPieceKeys = 64;
@@ -1924,6 +1927,8 @@ void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<
       if (kept == nullptr) {
         block_scores(in, head, row0 + skip, m, part, probs.data(), n);
       }
+      // The half-type products read the chunk's rows packed whole (half_chunk_rows): no pieces there.
+      TORCH_INTERNAL_ASSERT(skip == 0 || in.half.q == nullptr, "causal pieces of the half-type backward");
       if (in.half.q != nullptr) {
         half_grad_weights(in, half_grad_out, g.grad_out_stride.row, head, rows, lo, n, grad_w.data());
       } else {
