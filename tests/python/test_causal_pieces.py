@@ -97,19 +97,12 @@ def test_dropout_in_pieces_keeps_the_forwards_draw(monkeypatch, dtype, half_gemm
     assert_close(out, ref, dtype)
 
 
-def own_gradients(monkeypatch, q, k, v, block, half_gemm, p=0.0):
-    """Output and (dQ, dK, dV) of fastmha's own kernels for the loss sum(output * G), G fixed; and the forward's
-    keep mask with dropout."""
-    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
-    monkeypatch.setenv("FASTMHA_CPU_KEY_BLOCK", block)
-    monkeypatch.setenv("FASTMHA_CPU_HALF_GEMM", half_gemm)
+def own_gradients(monkeypatch, q, k, v, block, half_gemm):
+    """Output and (dQ, dK, dV) of fastmha's own kernels for the loss sum(output * G), and G (fixed)."""
     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-    out, _, _, rng_state = torch.ops.fastmha._attention_forward(q, k, v, None, p, False, True)
+    out = own_forward(monkeypatch, q, k, v, block, half_gemm)
     weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
-    out, _ = torch.ops.fastmha.attention(q, k, v, None, p, False, True) if p == 0 else (out, None)
-    grads = torch.autograd.grad((out * weight).sum(), (q, k, v))
-    keep = torch.ops.fastmha._dropout_multipliers(list(out.shape[:3]) + [k.shape[2]], p, torch.float64, rng_state)
-    return out, grads, weight, keep != 0
+    return out, torch.autograd.grad((out * weight).sum(), (q, k, v)), weight
 
 
 def oracle_gradients(q, k, v, weight, keep=None, p=0.0):
@@ -127,7 +120,7 @@ def test_causal_gradients_match_the_oracle(monkeypatch, dtype, shape, block, hal
         pytest.skip("products in the half type are for half types")
     b, h, lq, lk = shape
     q, k, v = (torch.randn(b, h, n, 64).to(dtype) for n in (lq, lk, lk))
-    out, grads, weight, _ = own_gradients(monkeypatch, q, k, v, block, half_gemm)
+    out, grads, weight = own_gradients(monkeypatch, q, k, v, block, half_gemm)
     ref_out, ref_grads = oracle_gradients(q, k, v, weight)
     assert_close(out, ref_out, dtype)
     for got, want in zip(grads, ref_grads):
@@ -142,7 +135,7 @@ def test_gradients_where_hidden_keys_take_the_weight(monkeypatch, length):
     q = (2.0**15 + torch.randint(-4, 4, (1, 8, length, 64)) * 2.0**-3).to(dtype)
     k = -(2.0**15 + torch.randint(-4, 4, (1, 8, length, 64)) * 2.0**-3).to(dtype)
     v = torch.randn(1, 8, length, 64).to(dtype)
-    out, grads, weight, _ = own_gradients(monkeypatch, q, k, v, "", "auto")
+    out, grads, weight = own_gradients(monkeypatch, q, k, v, "", "auto")
     ref_out, ref_grads = oracle_gradients(q, k, v, weight)
     assert_close(out, ref_out, dtype)
     for got, want in zip(grads, ref_grads):
