@@ -70,7 +70,8 @@ ContractInputs contract_inputs(const at::Tensor& query, const at::Tensor& key, c
   // Worked out on the mask's distinct elements and expanded at the end: an expanded mask stays a view (torch's
   // kernels read the bias through its strides).
   const auto mask_sizes = as_4d(*mask).sizes().vec();
-  auto visible = as_4d(distinct_elements(*mask).ne(0).to(query.device()));
+  const auto distinct = distinct_elements(*mask);
+  auto visible = as_4d((distinct.scalar_type() == at::kBool ? distinct : distinct.ne(0)).to(query.device()));
   if (is_causal) {
     visible = visible.logical_and(at::ones({len_q, len_k}, visible.options()).tril());
   }
