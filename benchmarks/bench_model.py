@@ -18,8 +18,12 @@ Peers, built with the same weights and run interleaved (--repeats rounds, median
            keys and of zero gradients, so on padded batches it can), and oracle / bound the most such a block
            could speed this model up
 Ratio = oracle time / fastmha time (> 1: fastmha is faster). Results are stamped with the CPU model and ISA.
+--autocast bfloat16 (or float16) runs both tasks' forward passes under torch.autocast("cpu", dtype=...), as mixed
+precision training and inference on CPUs with native half-type products (AVX512-BF16, AMX) run them; the weights
+and the optimizer stay float32.
 
     python benchmarks/bench_model.py --out benchmarks/results/model-DATE
+    python benchmarks/bench_model.py --autocast bfloat16 --out benchmarks/results/model-bf16-DATE
     python benchmarks/bench_model.py --quick      # a smoke run (seconds)
 """
 
@@ -163,26 +167,33 @@ def make_batch(size, generator):
     return src, tgt, label, src_mask, tgt_mask
 
 
-def train_step(model, optimizer, loss_fn, batch):
+def autocast(dtype):
+    """torch.autocast on the CPU to dtype, or no autocast for None."""
+    return torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None)
+
+
+def train_step(model, optimizer, loss_fn, batch, autocast_dtype=None):
     src, tgt, label, src_mask, tgt_mask = batch
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    logits = model.projection(model.decode(model.encode(src, src_mask), src_mask, tgt, tgt_mask))
-    loss = loss_fn(logits.reshape(-1, model.size.vocab), label.reshape(-1))
+    with autocast(autocast_dtype):  # the forward and the loss; the backward runs outside, as torch recommends
+        logits = model.projection(model.decode(model.encode(src, src_mask), src_mask, tgt, tgt_mask))
+        loss = loss_fn(logits.reshape(-1, model.size.vocab), label.reshape(-1))
     loss.backward()
     optimizer.step()
     return loss.item()
 
 
 @torch.no_grad()
-def greedy_decode(model, src, src_mask, tokens):
+def greedy_decode(model, src, src_mask, tokens, autocast_dtype=None):
     model.eval()
-    memory = model.encode(src, src_mask)
-    decoded = torch.full((1, 1), SOS, dtype=torch.int64)
-    while decoded.size(1) < tokens:
-        out = model.decode(memory, src_mask, decoded, causal(decoded.size(1)))
-        next_token = model.projection(out[:, -1]).argmax(-1, keepdim=True)
-        decoded = torch.cat([decoded, next_token], dim=1)
+    with autocast(autocast_dtype):
+        memory = model.encode(src, src_mask)
+        decoded = torch.full((1, 1), SOS, dtype=torch.int64)
+        while decoded.size(1) < tokens:
+            out = model.decode(memory, src_mask, decoded, causal(decoded.size(1)))
+            next_token = model.projection(out[:, -1]).argmax(-1, keepdim=True)
+            decoded = torch.cat([decoded, next_token], dim=1)
     return decoded
 
 
@@ -197,11 +208,15 @@ def main():
     parser.add_argument("--out", type=Path, help="write OUT.json and OUT.md")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--autocast", choices=["bfloat16", "float16"],
+                        help="run the forward passes under torch.autocast on the CPU to this dtype")
     args = parser.parse_args()
+    autocast_dtype = getattr(torch, args.autocast) if args.autocast else None
     size = QUICK if args.quick else Size()
     repeats = 1 if args.quick else args.repeats
     header = [f"fastmha {fastmha.__version__} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
-              f"{datetime.date.today()}", *cpu_lines()]
+              f"{datetime.date.today()}", *cpu_lines(),
+              f"precision: {'autocast ' + args.autocast if args.autocast else 'float32'}"]
     print("\n".join(header), flush=True)
 
     torch.manual_seed(0)
@@ -217,7 +232,7 @@ def main():
     sentence = [t[:1] for t in make_batch(size, generator)]  # batch 1 for the decode
 
     # The same weights decode the same tokens (up to near-ties that rounding may flip): reported, not timed.
-    decoded = {name: greedy_decode(models[name], sentence[0], sentence[3], size.decode_tokens)
+    decoded = {name: greedy_decode(models[name], sentence[0], sentence[3], size.decode_tokens, autocast_dtype)
                for name in ("fastmha", "oracle")}
     same_decode = bool(torch.equal(decoded["fastmha"], decoded["oracle"]))
     print(f"same greedy decode from the same weights: {same_decode}", flush=True)
@@ -225,8 +240,8 @@ def main():
     times = {(task, name): [] for task in ("train", "decode") for name in models}
     for round_ in range(repeats + 1):  # round 0 warms up
         for name, model in models.items():
-            train = timed(lambda: train_step(model, optimizers[name], loss_fn, batch))
-            decode = timed(lambda: greedy_decode(model, sentence[0], sentence[3], size.decode_tokens))
+            train = timed(lambda: train_step(model, optimizers[name], loss_fn, batch, autocast_dtype))
+            decode = timed(lambda: greedy_decode(model, sentence[0], sentence[3], size.decode_tokens, autocast_dtype))
             if round_ > 0:
                 times[("train", name)].append(train)
                 times[("decode", name)].append(decode)
@@ -242,7 +257,7 @@ def main():
         args.out.parent.mkdir(parents=True, exist_ok=True)
         results_file(args.out, ".json").write_text(
             json.dumps({"machine": header, "size": asdict(size), "repeats": repeats, "same_decode": same_decode,
-                        "rows": rows}, indent=1) + "\n")
+                        "autocast": args.autocast, "rows": rows}, indent=1) + "\n")
         lines = ["# The textbook Transformer: fastmha's block against the textbook block", "",
                  *[f"- {line}" for line in header], "", f"Size: {asdict(size)}; medians of {repeats} rounds, "
                  "interleaved; ratio = oracle time / fastmha time (> 1: fastmha is faster). Same greedy decode from "

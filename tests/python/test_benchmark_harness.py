@@ -181,11 +181,15 @@ def test_bench_cpu_backward_kernels_quick_run_in_half_types(tmp_path):
     assert all(r["ms"]["own"] > 0 and r["ms"]["stock"] > 0 for r in rows)
 
 
-def test_bench_model_quick_run_trains_and_decodes_with_every_block(tmp_path):
+@pytest.mark.parametrize("autocast", [None, "bfloat16"])
+def test_bench_model_quick_run_trains_and_decodes_with_every_block(tmp_path, autocast):
     out = tmp_path / "model"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_model.py"), "--quick", "--out", str(out)],
-                   check=True, capture_output=True, timeout=300)
+    precision = ["--autocast", autocast] if autocast else []
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_model.py"), "--quick", "--out", str(out),
+                    *precision], check=True, capture_output=True, timeout=300)
     result = json.loads(out.with_suffix(".json").read_text())
+    assert result["autocast"] == autocast
+    assert f"precision: {'autocast ' + autocast if autocast else 'float32'}" in result["machine"]
     assert [r["task"] for r in result["rows"]] == ["train", "decode"]
     assert all(r["ms"][peer] > 0 for r in result["rows"] for peer in ("oracle", "fastmha", "bound"))
     assert all(r["oracle_over_bound"] == round(r["ms"]["oracle"] / r["ms"]["bound"], 3) for r in result["rows"])
