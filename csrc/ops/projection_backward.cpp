@@ -1,13 +1,13 @@
 #include "ops/projection_backward.h"
 
 #include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
-#include <cmath>
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
+#include "ops/float_bits.h"
 #include "ops/heads.h"
 #include "ops/readable_on_cpu.h"
 #include "ops/widened_products.h"
@@ -15,11 +15,49 @@
 namespace fastmha {
 namespace {
 
+// Rows are scanned in steps of kScanStep elements through their bits (float_bits.h): a step's OR or maximum
+// vectorizes, where an element-wise early exit did not (a bfloat16 scan of the textbook model's 2800 x 512 gradient
+// rows, 93% of them zero, and their input rows took about 7 ms a projection); a row still ends its scan at the
+// first step that decides it.
+constexpr int64_t kScanStep = 64;
+
+// Folds the magnitudes of row[j * stride], j < n, a step at a time (`fold` from 0 over each step's elements) and
+// returns at the first step whose result `stops`: whether one did.
+template <typename T, typename Fold, typename Stops>
+bool some_step(const T* row, int64_t stride, int64_t n, Fold fold, Stops stops) {
+  for (int64_t j0 = 0; j0 < n; j0 += kScanStep) {
+    const int64_t end = std::min(n, j0 + kScanStep);
+    typename FloatBits<T>::type folded = 0;
+    if (stride == 1) {
+      for (int64_t j = j0; j < end; ++j) folded = fold(folded, magnitude_bits(row[j]));
+    } else {
+      for (int64_t j = j0; j < end; ++j) folded = fold(folded, magnitude_bits(row[j * stride]));
+    }
+    if (stops(folded)) return true;
+  }
+  return false;
+}
+
+// Whether row[j * stride], j < n, are all zero (of either sign; a tiny denormal is not).
+template <typename T>
+bool all_zero(const T* row, int64_t stride, int64_t n) {
+  using B = typename FloatBits<T>::type;
+  return !some_step(
+      row, stride, n, [](B a, B m) -> B { return a | m; }, [](B a) { return a != 0; });
+}
+
+// Whether row[j * stride], j < n, are all finite.
+template <typename T>
+bool all_finite(const T* row, int64_t stride, int64_t n) {
+  using B = typename FloatBits<T>::type;
+  return !some_step(
+      row, stride, n, [](B a, B m) { return std::max(a, m); }, [](B a) { return a >= FloatBits<T>::kInfinity; });
+}
+
 // The rows r of g (n x d_out) whose products must run: g's row is not all zero, or x's row (n x d_in) is not all
-// finite. A nonzero row usually ends its scan at its first element, so dense gradients cost a read per row.
+// finite. A nonzero row usually ends its scan at its first step, so dense gradients cost a read per row.
 template <typename T>
 std::vector<int64_t> rows_to_compute(const at::Tensor& g, const at::Tensor& x) {
-  using Acc = at::opmath_type<T>;  // a zero test at T's own precision (a tiny double is not zero)
   const int64_t n = g.size(0), d_out = g.size(1), d_in = x.size(1);
   const T* g_data = g.const_data_ptr<T>();
   const T* x_data = x.const_data_ptr<T>();
@@ -27,13 +65,7 @@ std::vector<int64_t> rows_to_compute(const at::Tensor& g, const at::Tensor& x) {
   std::vector<char> needed(n);
   at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      bool zero = true;
-      for (int64_t j = 0; j < d_out && zero; ++j) zero = static_cast<Acc>(g_data[r * g_row + j * g_col]) == Acc(0);
-      bool finite = true;
-      for (int64_t j = 0; j < d_in && zero && finite; ++j) {
-        finite = std::isfinite(static_cast<double>(x_data[r * x_row + j * x_col]));
-      }
-      needed[r] = !(zero && finite);
+      needed[r] = !(all_zero(g_data + r * g_row, g_col, d_out) && all_finite(x_data + r * x_row, x_col, d_in));
     }
   });
   std::vector<int64_t> indices;

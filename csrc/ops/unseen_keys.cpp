@@ -6,11 +6,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <numeric>
 #include <vector>
 
+#include "ops/float_bits.h"
 #include "ops/heads.h"
 #include "ops/masked_score.h"
 #include "ops/readable_on_cpu.h"
@@ -58,46 +58,8 @@ namespace {
 
 // The bounds below run on every call of a block with unseen keys, in one pass each without temporaries: ATen's
 // abs, index_select and a row sum made copies of x and W (about 230 us a call of a 512-wide bfloat16 block, more
-// than its two skipped products save under autocast on AMX tiles).
-
-// Magnitudes through the bits: for IEEE values, |v| orders as its bits without the sign, NaN and infinity above
-// every finite value.
-template <typename T>
-struct Bits;
-template <>
-struct Bits<float> {
-  using type = uint32_t;
-  static constexpr type kMagnitude = 0x7fffffffu, kInfinity = 0x7f800000u;
-};
-template <>
-struct Bits<double> {
-  using type = uint64_t;
-  static constexpr type kMagnitude = 0x7fffffffffffffffull, kInfinity = 0x7ff0000000000000ull;
-};
-template <>
-struct Bits<c10::BFloat16> {
-  using type = uint16_t;
-  static constexpr type kMagnitude = 0x7fff, kInfinity = 0x7f80;
-};
-template <>
-struct Bits<c10::Half> {
-  using type = uint16_t;
-  static constexpr type kMagnitude = 0x7fff, kInfinity = 0x7c00;
-};
-
-template <typename T>
-typename Bits<T>::type magnitude_bits(T v) {
-  typename Bits<T>::type bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  return bits & Bits<T>::kMagnitude;
-}
-
-template <typename T>
-T from_bits(typename Bits<T>::type bits) {
-  T v;
-  std::memcpy(&v, &bits, sizeof(bits));
-  return v;
-}
+// than its two skipped products save under autocast on AMX tiles). Magnitudes are compared through their bits
+// (float_bits.h).
 
 constexpr int64_t kLanes = 16;  // independent partial results the compiler keeps in vector registers
 
@@ -105,7 +67,7 @@ constexpr int64_t kLanes = 16;  // independent partial results the compiler keep
 // infinite.
 template <typename T>
 double largest_magnitude(const T* x, int64_t row_stride, int64_t n, const int64_t* rows, int64_t count) {
-  using B = typename Bits<T>::type;
+  using B = typename FloatBits<T>::type;
   B lane[kLanes] = {};
   for (int64_t i = 0; i < count; ++i) {
     const T* row = x + rows[i] * row_stride;
@@ -120,8 +82,8 @@ double largest_magnitude(const T* x, int64_t row_stride, int64_t n, const int64_
     }
   }
   const B largest = *std::max_element(lane, lane + kLanes);
-  return largest >= Bits<T>::kInfinity ? std::numeric_limits<double>::infinity()
-                                       : static_cast<double>(from_bits<T>(largest));
+  return largest >= FloatBits<T>::kInfinity ? std::numeric_limits<double>::infinity()
+                                            : static_cast<double>(from_bits<T>(largest));
 }
 
 // The largest row sum of |w| over the unit-stride rows w[r * row_stride + j], j < n, accumulated in float (double

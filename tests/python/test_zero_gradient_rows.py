@@ -150,3 +150,35 @@ def test_attention_core_over_query_rows_without_gradient(device, dtype, infinity
         assert torch.equal(got_nan, want_nan), f"grad of {name}: NaN elsewhere than the oracle's"
         torch.testing.assert_close(got.grad.double(), want.grad, **TOLERANCES[dtype], equal_nan=True,
                                    msg=lambda m: f"grad of {name}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d_model", [D_MODEL, 136])  # 136: rows that span two 64-element steps of the scan and a tail
+@pytest.mark.parametrize("case", ["late gradient", "late infinity", "late nan"])
+def test_zero_row_scan_reads_the_whole_row(device, dtype, d_model, case):
+    """The scan for zero gradient rows reads each row to its end: a padded position whose output gradient is nonzero
+    only in its last feature still gets its products, and a zero row whose input row holds an infinity or a NaN
+    only in its last features (an unseen key or value) gives the math's NaN; in every dtype, against autograd through
+    the oracle."""
+    block = fastmha.MultiHeadAttentionBlock(d_model, HEADS, 0.0).to(device, dtype)
+    oracle = OracleBlock(d_model, HEADS).to(device, torch.float64)
+    oracle.load_state_dict({name: t.double() for name, t in block.state_dict().items()})
+    q, k, v = (torch.randn(2, 8, d_model, dtype=dtype, device=device) for _ in range(3))
+    mask = (torch.arange(8, device=device)[None, :] < torch.tensor(SEEN_KEYS, device=device)[:, None])
+    mask = mask[:, None, None, :].to(torch.int64)
+    kept = (torch.arange(8, device=device)[None, :] < torch.tensor(KEPT_QUERIES, device=device)[:, None])
+    loss_weights = torch.randn(2, 8, d_model, dtype=dtype, device=device) * kept[..., None]
+    if case == "late gradient":
+        loss_weights[0, -1, -1] = 1.5  # a padded position's gradient, nonzero in its last feature alone
+    elif case == "late infinity":
+        k[0, -1, -2] = float("inf")  # an unseen key: its projections' gradient rows are zero
+    else:
+        v[1, -1, -2] = float("nan")
+    got = gradients(block, q, k, v, mask, loss_weights)
+    want = gradients(oracle, q.double(), k.double(), v.double(), mask, loss_weights.double())
+    assert case == "late gradient" or any(w.isnan().any() for w in want)
+    names = ["query", "key", "value", "w_q", "w_k", "w_v", "w_o"]
+    for name, g, w in zip(names, got, want):
+        assert torch.equal(g.isnan(), w.isnan()), f"grad of {name}: NaN at other places than the oracle's"
+        torch.testing.assert_close(g.double(), w, **TOLERANCES[dtype], equal_nan=True,
+                                   msg=lambda m: f"grad of {name}: {m}")
