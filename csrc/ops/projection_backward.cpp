@@ -55,7 +55,8 @@ bool all_finite(const T* row, int64_t stride, int64_t n) {
 }
 
 // The rows r of g (n x d_out) whose products must run: g's row is not all zero, or x's row (n x d_in) is not all
-// finite. A nonzero row usually ends its scan at its first step, so dense gradients cost a read per row.
+// finite. A nonzero row usually ends its scan at its first step, so dense gradients cost a step (64 elements) per
+// row.
 template <typename T>
 std::vector<int64_t> rows_to_compute(const at::Tensor& g, const at::Tensor& x) {
   const int64_t n = g.size(0), d_out = g.size(1), d_in = x.size(1);

@@ -126,6 +126,9 @@ bool projection_surely_finite(const at::Tensor& x, const at::Tensor& weight, con
   const auto unit_rows = [](const at::Tensor& t) { return t.stride(1) == 1 ? t : t.contiguous(); };
   const at::Tensor x_rows = unit_rows(flatten_rows(x)), w = unit_rows(weight);
   const at::Tensor row_index = rows.to(at::kLong).contiguous();
+  TORCH_INTERNAL_ASSERT_DEBUG_ONLY(row_index.numel() == 0 || (row_index.min().item<int64_t>() >= 0 &&
+                                                              row_index.max().item<int64_t>() < x_rows.size(0)),
+                                   "projection_surely_finite: row indices out of range");
   bool finite = false;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "projection_surely_finite", [&] {
     const double x_max = largest_magnitude(x_rows.const_data_ptr<scalar_t>(), x_rows.stride(0), x_rows.size(1),

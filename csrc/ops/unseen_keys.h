@@ -38,7 +38,8 @@ at::Tensor project_rows(const at::Tensor& x, const at::Tensor& weight, const at:
 void project_rows_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& rows);
 
 // Whether x W^T is surely finite on the given rows: x there and W are finite, and the largest |x| times W's
-// largest row sum of |w| stays below half the dtype's largest value.
+// largest row sum of |w| stays below half the dtype's largest value. False where x and W differ in dtype. `rows`
+// must index rows of x (batch * L of them).
 bool projection_surely_finite(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& rows);
 
 // Whether every row's log-sum-exp (the attention core's, for keys of length len_k) leaves a key scored -1e9 a

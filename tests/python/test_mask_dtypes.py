@@ -138,19 +138,23 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base, torch.equal(out
 
 
 @pytest.mark.parametrize("kernels", ["own", "stock"])
-@pytest.mark.parametrize("dtype", [torch.int64, torch.float32], ids=str)
-def test_a_large_mask_converted_into_a_kept_buffer_is_each_calls_own(kernels, dtype, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint8, torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_a_large_mask_converted_into_a_kept_buffer_is_each_calls_own(kernels, dtype, layout, monkeypatch):
     # A mask of 4 Mi elements is converted into a buffer of the CPU kernels' pool, which a later call takes again:
-    # each call must see its own mask, never the previous call's conversion.
+    # each call must see its own mask, never the previous call's conversion. Floating zeros of both signs hide.
     monkeypatch.setenv("FASTMHA_CPU_KERNELS", kernels)
     batch, length = 4, 1024
     q, k, v = (torch.randn(batch, 1, length, 4, requires_grad=True) for _ in range(3))
     lengths = [torch.tensor([1000, 300, 700, 5]), torch.tensor([17, 1024, 600, 900])]
     for kept in lengths:
         keep = (torch.arange(length) < kept[:, None])[:, None, None, :] & torch.ones(length, length).tril().bool()
-        values = torch.tensor([1, -3, 2, 5], dtype=dtype) if not dtype.is_floating_point else \
+        values = torch.tensor([1, 3, 2, 5], dtype=dtype) if not dtype.is_floating_point else \
             torch.tensor([1.0, -0.5, float("nan"), 4.0], dtype=dtype)
-        mask = torch.where(keep, values[torch.arange(length) % 4], torch.zeros((), dtype=dtype))
+        zeros = torch.tensor([0.0, -0.0], dtype=dtype)[torch.arange(length) % 2]
+        mask = torch.where(keep, values[torch.arange(length) % 4], zeros)
+        if layout == "transposed":  # the same values, keys the outer dimension in memory
+            mask = mask.transpose(-1, -2).contiguous().transpose(-1, -2)
         before = mask.clone()
         got = [torch.ops.fastmha.attention(q, k, v, mask, 0.0, False, False)[0]]
         got += torch.autograd.grad(got[0].square().sum(), (q, k, v))

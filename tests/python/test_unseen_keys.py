@@ -211,27 +211,33 @@ def test_reuse_that_falls_back_draws_the_same_dropout():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str)
-@pytest.mark.parametrize("case", ["nan", "inf", "overflow"])
+@pytest.mark.parametrize("case", ["nan", "inf", "overflow", "overflow, strided weight"])
 @pytest.mark.parametrize("d_model", [D_MODEL, 40])
 def test_unseen_value_row_not_finite_or_overflowing_reaches_its_sentence_as_in_the_math(dtype, case, d_model):
     """An unseen value row that is NaN or infinite, or finite with a projection beyond the dtype's range, gives its
     zero weight a NaN product: the math's output of that sentence is NaN, in every dtype (the block's bound on the
     unseen rows' projections must see it and project them); the other sentence is unaffected. At d_model 40 the
-    large entries sit in the first 32 features, which the bound reads in 16-wide steps (the rest of a row after)."""
+    large entries sit in the first 32 features, which the bound reads in 16-wide steps, the NaN in one and the
+    infinity after them; a weight of column stride d_model is read as well as a contiguous one."""
     wide = min(d_model, 32)
     block = fastmha.MultiHeadAttentionBlock(d_model, HEADS, 0.0, reuse_projections=False).to(dtype)
     with torch.no_grad():
         for linear in (block.w_q, block.w_k, block.w_v, block.w_o):
             linear.weight.zero_()
             linear.weight[:, :wide] = 0.25  # every row of W sums |w| to wide / 4
+        if case == "overflow, strided weight":
+            strided = torch.empty(d_model, d_model, dtype=dtype).t()
+            block.w_v.weight = torch.nn.Parameter(strided.copy_(block.w_v.weight))
     oracle = OracleBlock(d_model, HEADS).to(torch.float64)
     oracle.load_state_dict({name: t.double() for name, t in block.state_dict().items()})
     q, k, v = (torch.randn(2, n, d_model, dtype=dtype) for n in (5, 8, 8))
     largest = torch.finfo(dtype).max
-    if case == "overflow":
+    if case.startswith("overflow"):
         v[1, -1, :wide] = 0.75 * largest  # finite; its projection, wide / 4 * 0.75 of the largest value, is not
+    elif case == "nan":
+        v[1, -1, 3] = float("nan")
     else:
-        v[1, -1, 3] = float("nan") if case == "nan" else -float("inf")
+        v[1, -1, d_model - 2] = -float("inf")
     with torch.no_grad():
         out = block(q, k, v, padding_mask())
         ref = oracle(q.double(), k.double(), v.double(), padding_mask())[0]

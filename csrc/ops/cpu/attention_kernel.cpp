@@ -166,7 +166,8 @@ bool stock_result_needs_own(const std::optional<at::Tensor>& mask, std::initiali
 // The mask as bool, converted once per call: the kernel choice's estimate of the keys computed and whichever
 // kernel runs then read it so, where each would otherwise convert it again (an int64 (B, 1, L, L) mask is eight
 // times the bool one: its conversion took a fifth of a padded bfloat16 forward at 4 x 1024). Only its distinct
-// elements are converted, into a kept buffer when large (cpu/large_buffer.h), whose pages are already mapped.
+// elements are converted, into a kept buffer when large (cpu/large_buffer.h), which reuses the pages of an earlier
+// call's.
 std::optional<at::Tensor> mask_as_bool(const std::optional<at::Tensor>& mask) {
   if (!mask.has_value() || mask->scalar_type() == at::kBool) {
     return mask;

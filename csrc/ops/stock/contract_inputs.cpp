@@ -70,8 +70,11 @@ ContractInputs contract_inputs(const at::Tensor& query, const at::Tensor& key, c
   // Worked out on the mask's distinct elements and expanded at the end: an expanded mask stays a view (torch's
   // kernels read the bias through its strides).
   const auto mask_sizes = as_4d(*mask).sizes().vec();
+  // A bool mask on the CPU is taken as it is (the CPU kernels convert other dtypes once per call); elsewhere .ne(0)
+  // also turns bool bytes other than 0 and 1 into 1 for the device's kernels.
   const auto distinct = distinct_elements(*mask);
-  auto visible = as_4d((distinct.scalar_type() == at::kBool ? distinct : distinct.ne(0)).to(query.device()));
+  const bool as_is = distinct.scalar_type() == at::kBool && distinct.is_cpu() && query.is_cpu();
+  auto visible = as_4d((as_is ? distinct : distinct.ne(0)).to(query.device()));
   if (is_causal) {
     visible = visible.logical_and(at::ones({len_q, len_k}, visible.options()).tril());
   }
