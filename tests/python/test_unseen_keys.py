@@ -68,27 +68,6 @@ def test_kept_projections_redone_when_later_queries_weigh_unseen_keys():
             torch.testing.assert_close(out, ref, **TOLERANCES[torch.float64])
 
 
-def test_value_projection_overflowing_float16_gives_nan_as_the_math_does():
-    """An unseen value row whose float16 projection overflows is inf: its zero weight makes the output of its
-    sentence NaN, as with every projection computed (the other sentence is unaffected)."""
-    block = fastmha.MultiHeadAttentionBlock(D_MODEL, HEADS, 0.0).to(torch.float16)
-    with torch.no_grad():
-        for linear in (block.w_q, block.w_k, block.w_v, block.w_o):
-            linear.weight.fill_(0.25)
-    oracle = OracleBlock(D_MODEL, HEADS).to(torch.float64)
-    oracle.load_state_dict({name: t.double() for name, t in block.state_dict().items()})
-    q = torch.randn(2, 5, D_MODEL, dtype=torch.float16)
-    k = torch.randn(2, 8, D_MODEL, dtype=torch.float16)
-    v = torch.randn(2, 8, D_MODEL, dtype=torch.float16)
-    v[1, -1] = 6e4  # finite; its projection, 8 * 0.25 * 6e4, is not
-    with torch.no_grad():
-        assert torch.isinf(torch.nn.functional.linear(v, block.w_v.weight)[1, -1]).all()
-        out = block(q, k, v, padding_mask())
-        ref = oracle(q.double(), k.double(), v.double(), padding_mask())[0]
-    assert out[1].isnan().all()
-    torch.testing.assert_close(out[0].double(), ref[0], **TOLERANCES[torch.float16])
-
-
 def test_kept_projections_not_reused_under_a_mask_that_sees_other_keys():
     """Kept projections leave out the keys their call's mask hid: a later call whose mask shows them projects
     again (and one with an equal mask, even a new tensor, reuses them)."""
@@ -239,6 +218,8 @@ def test_unseen_value_row_not_finite_or_overflowing_reaches_its_sentence_as_in_t
     else:
         v[1, -1, d_model - 2] = -float("inf")
     with torch.no_grad():
+        if case.startswith("overflow"):
+            assert torch.isinf(torch.nn.functional.linear(v, block.w_v.weight)[1, -1]).all()
         out = block(q, k, v, padding_mask())
         ref = oracle(q.double(), k.double(), v.double(), padding_mask())[0]
     assert out[1].isnan().all()

@@ -14,14 +14,14 @@ KEPT_QUERIES = [3, 2]  # per sentence; the other query positions are padding the
 SEEN_KEYS = [2, 3]  # per sentence; the other keys are masked for every query
 
 
-def padded_batch(dtype, device, len_q=8, len_k=8):
-    q = torch.randn(2, len_q, D_MODEL, dtype=dtype, device=device)
-    k = torch.randn(2, len_k, D_MODEL, dtype=dtype, device=device)
-    v = torch.randn(2, len_k, D_MODEL, dtype=dtype, device=device)
+def padded_batch(dtype, device, len_q=8, len_k=8, d_model=D_MODEL):
+    q = torch.randn(2, len_q, d_model, dtype=dtype, device=device)
+    k = torch.randn(2, len_k, d_model, dtype=dtype, device=device)
+    v = torch.randn(2, len_k, d_model, dtype=dtype, device=device)
     mask = (torch.arange(len_k, device=device)[None, :] < torch.tensor(SEEN_KEYS, device=device)[:, None])
     kept = (torch.arange(len_q, device=device)[None, :] < torch.tensor(KEPT_QUERIES, device=device)[:, None])
     # A weighted sum over the kept positions: a row of the output's gradient is zero exactly at padding.
-    loss_weights = torch.randn(2, len_q, D_MODEL, dtype=dtype, device=device) * kept[..., None]
+    loss_weights = torch.randn(2, len_q, d_model, dtype=dtype, device=device) * kept[..., None]
     return q, k, v, mask[:, None, None, :].to(torch.int64), loss_weights
 
 
@@ -35,11 +35,20 @@ def gradients(block, q, k, v, mask, loss_weights):
     return [t.grad for t in inputs] + [p.grad for p in params]
 
 
-def blocks(dtype, device):
-    block = fastmha.MultiHeadAttentionBlock(D_MODEL, HEADS, 0.0).to(device, dtype)
-    oracle = OracleBlock(D_MODEL, HEADS).to(device, torch.float64)
+def blocks(dtype, device, d_model=D_MODEL):
+    block = fastmha.MultiHeadAttentionBlock(d_model, HEADS, 0.0).to(device, dtype)
+    oracle = OracleBlock(d_model, HEADS).to(device, torch.float64)
     oracle.load_state_dict({name: t.double() for name, t in block.state_dict().items()})
     return block, oracle
+
+
+def assert_gradients_match_with_nan(got, want, dtype):
+    """The block's gradients against the oracle's, NaN at the same places."""
+    names = ["query", "key", "value", "w_q", "w_k", "w_v", "w_o"]
+    for name, g, w in zip(names, got, want):
+        assert torch.equal(g.isnan(), w.isnan()), f"grad of {name}: NaN at other places than the oracle's"
+        torch.testing.assert_close(g.double(), w, **TOLERANCES[dtype], equal_nan=True,
+                                   msg=lambda m: f"grad of {name}: {m}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
@@ -76,12 +85,8 @@ def test_infinity_behind_a_zero_gradient_row_gives_nan_as_the_math_does(device, 
             oracle.w_v.weight[1, 4] = float("inf")
     got = gradients(block, q, k, v, mask, loss_weights)
     want = gradients(oracle, q.double(), k.double(), v.double(), mask, loss_weights.double())
-    names = ["query", "key", "value", "w_q", "w_k", "w_v", "w_o"]
     assert any(w.isnan().any() for w in want)  # the case makes NaN in the math
-    for name, g, w in zip(names, got, want):
-        assert torch.equal(g.isnan(), w.isnan()), f"grad of {name}: NaN at other places than the oracle's"
-        torch.testing.assert_close(g.double(), w, **TOLERANCES[dtype], equal_nan=True,
-                                   msg=lambda m: f"grad of {name}: {m}")
+    assert_gradients_match_with_nan(got, want, dtype)
 
 
 def test_tiny_float64_gradients_are_not_taken_for_zero(device):
@@ -160,14 +165,8 @@ def test_zero_row_scan_reads_the_whole_row(device, dtype, d_model, case):
     only in its last feature still gets its products, and a zero row whose input row holds an infinity or a NaN
     only in its last features (an unseen key or value) gives the math's NaN; in every dtype, against autograd through
     the oracle."""
-    block = fastmha.MultiHeadAttentionBlock(d_model, HEADS, 0.0).to(device, dtype)
-    oracle = OracleBlock(d_model, HEADS).to(device, torch.float64)
-    oracle.load_state_dict({name: t.double() for name, t in block.state_dict().items()})
-    q, k, v = (torch.randn(2, 8, d_model, dtype=dtype, device=device) for _ in range(3))
-    mask = (torch.arange(8, device=device)[None, :] < torch.tensor(SEEN_KEYS, device=device)[:, None])
-    mask = mask[:, None, None, :].to(torch.int64)
-    kept = (torch.arange(8, device=device)[None, :] < torch.tensor(KEPT_QUERIES, device=device)[:, None])
-    loss_weights = torch.randn(2, 8, d_model, dtype=dtype, device=device) * kept[..., None]
+    block, oracle = blocks(dtype, device, d_model)
+    q, k, v, mask, loss_weights = padded_batch(dtype, device, d_model=d_model)
     if case == "late gradient":
         loss_weights[0, -1, -1] = 1.5  # a padded position's gradient, nonzero in its last feature alone
     elif case == "late infinity":
@@ -177,8 +176,4 @@ def test_zero_row_scan_reads_the_whole_row(device, dtype, d_model, case):
     got = gradients(block, q, k, v, mask, loss_weights)
     want = gradients(oracle, q.double(), k.double(), v.double(), mask, loss_weights.double())
     assert case == "late gradient" or any(w.isnan().any() for w in want)
-    names = ["query", "key", "value", "w_q", "w_k", "w_v", "w_o"]
-    for name, g, w in zip(names, got, want):
-        assert torch.equal(g.isnan(), w.isnan()), f"grad of {name}: NaN at other places than the oracle's"
-        torch.testing.assert_close(g.double(), w, **TOLERANCES[dtype], equal_nan=True,
-                                   msg=lambda m: f"grad of {name}: {m}")
+    assert_gradients_match_with_nan(got, want, dtype)
