@@ -33,9 +33,12 @@ struct FloatBits<c10::Half> {
   static constexpr type kMagnitude = 0x7fff, kInfinity = 0x7c00;
 };
 
+// Internal linkage (static), as cpu/half_gemm.h's helpers: a file compiled with a CPU capability's vector flags that
+// includes this header must not lend its copies to the baseline files' callers.
+
 // |v|'s bits: v's bits without the sign.
 template <typename T>
-typename FloatBits<T>::type magnitude_bits(T v) {
+static inline typename FloatBits<T>::type magnitude_bits(T v) {
   typename FloatBits<T>::type bits;
   std::memcpy(&bits, &v, sizeof(bits));
   return bits & FloatBits<T>::kMagnitude;
@@ -43,7 +46,7 @@ typename FloatBits<T>::type magnitude_bits(T v) {
 
 // The value whose bits these are.
 template <typename T>
-T from_bits(typename FloatBits<T>::type bits) {
+static inline T from_bits(typename FloatBits<T>::type bits) {
   T v;
   std::memcpy(&v, &bits, sizeof(bits));
   return v;
