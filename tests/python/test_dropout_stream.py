@@ -20,9 +20,9 @@ def test_reference_matches_the_published_known_answers():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("case", ["no mask", "padding", "causal", "padding and causal"])
-# Rows shorter than one Philox batch (64 words), exactly one, and longer; a chunk's rows of all keys are drawn in
-# one pass, a padded chunk's spans a row at a time.
-@pytest.mark.parametrize("lk", [301, 64, 40])
+# Rows shorter than one Philox batch (64 words with AVX2, 128 with AVX-512), exactly one, and longer; a chunk's rows
+# of all keys are drawn in one pass, a padded chunk's spans a row at a time.
+@pytest.mark.parametrize("lk", [301, 128, 64, 40])
 def test_cpu_kernel_draws_the_philox_stream(dtype, case, lk):
     torch.manual_seed(0)
     b, h, lq, p = 2, 3, 37, 0.4
@@ -47,8 +47,8 @@ def test_cpu_kernel_draws_the_philox_stream(dtype, case, lk):
 # Offsets whose low bits are set (the counter takes offset // 4) and a seed with its high word set.
 @pytest.mark.parametrize("seed, offset", [(7, 0), (2**63 + 2**40 + 9, 4 * 2**33 + 3)])
 def test_dropout_multipliers_replay_the_philox_stream(dtype, seed, offset):
-    # Lengths below, at and above one Philox batch (64 words), odd ones, and one that the threads split into parts
-    # starting inside a block; each thread count splits it differently.
+    # Lengths below, at and above one Philox batch (64 or 128 words), odd ones, and one that the threads split into
+    # parts starting inside a block; each thread count splits it differently.
     p = 0.3
     scale = torch.tensor(1 / (1 - p), dtype=dtype)
     rng_state = torch.tensor([seed - 2**64 if seed >= 2**63 else seed, offset])
@@ -56,7 +56,7 @@ def test_dropout_multipliers_replay_the_philox_stream(dtype, seed, offset):
     try:
         for count in (1, 3):
             torch.set_num_threads(count)
-            for shape in ((1,), (3, 5), (2, 2, 7, 64), (1, 2, 97, 211)):
+            for shape in ((1,), (3, 5), (128,), (129,), (2, 2, 7, 64), (1, 2, 97, 211)):
                 got = torch.ops.fastmha._dropout_multipliers(list(shape), p, dtype, rng_state)
                 keep = expected_keep(seed, offset, shape, p)
                 assert got.dtype == dtype and got.shape == shape

@@ -1,9 +1,10 @@
-// Sixteen consecutive Philox4x32-10 blocks at a time for the CPU kernels' dropout and its replay by
+// Consecutive Philox4x32-10 blocks, a batch at a time, for the CPU kernels' dropout and its replay by
 // fastmha::_dropout_multipliers: the same words as philox::random4 (ops/philox.h), which the kernels' per-element
-// draws must match bit for bit. Included by each per-ISA compile of the kernels (CPU_CAPABILITY): with AVX2 the
-// rounds run on two independent 8-lane chains, which hides the latency of the 32 x 32 -> 64-bit multiplies (about
-// 4x the throughput of the compiler's code for the plain loop on Zen 3); otherwise, and where a batch's counters
-// carry into their high word, one philox::random4 per block.
+// draws must match bit for bit. Included by each per-ISA compile of the kernels (CPU_CAPABILITY): the rounds run on
+// two independent vector chains, which hides the latency of the 32 x 32 -> 64-bit multiplies: 8 lanes each with
+// AVX2 (about 4x the throughput of the compiler's code for the plain loop on Zen 3), 16 with AVX-512 (twice the
+// blocks per batch, and a lane's high and low product words picked in one shuffle each); otherwise, and where a
+// batch's counters carry into their high word, one philox::random4 per block.
 #pragma once
 
 #include <algorithm>
@@ -19,9 +20,22 @@
 namespace fastmha::cpu {
 namespace CPU_CAPABILITY {
 
+#if defined(__AVX512F__)
+constexpr int64_t kPhiloxBatch = 32;
+#else
 constexpr int64_t kPhiloxBatch = 16;
+#endif
 
-#if defined(__AVX2__)
+#if defined(__AVX512F__)
+// Low and high halves of the 32 x 32 -> 64-bit products of each lane of a with k: the even lanes' products, then
+// the odd lanes' (their words moved down), each half put back in its lane by one masked word swap.
+inline void mulhilo16(__m512i a, __m512i k, __m512i* lo, __m512i* hi) {
+  const __m512i even = _mm512_mul_epu32(a, k);
+  const __m512i odd = _mm512_mul_epu32(_mm512_shuffle_epi32(a, _MM_PERM_CDAB), k);
+  *lo = _mm512_mask_shuffle_epi32(even, 0xAAAA, odd, _MM_PERM_CDAB);
+  *hi = _mm512_mask_shuffle_epi32(odd, 0x5555, even, _MM_PERM_CDAB);
+}
+#elif defined(__AVX2__)
 // Low and high halves of the 32 x 32 -> 64-bit products of each lane of a with k.
 inline void mulhilo8(__m256i a, __m256i k, __m256i* lo, __m256i* hi) {
   const __m256i even = _mm256_mul_epu32(a, k);                        // lanes 0, 2, 4, 6
@@ -31,9 +45,62 @@ inline void mulhilo8(__m256i a, __m256i k, __m256i* lo, __m256i* hi) {
 }
 #endif
 
-// Blocks first_block .. first_block + 15 into words[0 .. 64), block-major (word w of block b at 4 * b + w).
-inline void philox_blocks16(uint64_t seed, uint64_t offset, uint64_t first_block, uint32_t* words) {
-#if defined(__AVX2__)
+// Blocks first_block .. first_block + kPhiloxBatch - 1 into words[0 .. 4 * kPhiloxBatch), block-major (word w of
+// block b at 4 * b + w).
+inline void philox_batch(uint64_t seed, uint64_t offset, uint64_t first_block, uint32_t* words) {
+#if defined(__AVX512F__)
+  // The lanes' counters differ in their low word only unless the batch crosses a multiple of 2^32.
+  if (static_cast<uint32_t>(first_block) <= UINT32_MAX - (kPhiloxBatch - 1)) {
+    constexpr int kChains = kPhiloxBatch / 16;
+    uint32_t base[4];
+    philox::counter_words(offset, first_block, base);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i mul0 = _mm512_set1_epi32(static_cast<int>(0xD2511F53u));
+    const __m512i mul1 = _mm512_set1_epi32(static_cast<int>(0xCD9E8D57u));
+    __m512i c0[kChains], c1[kChains], c2[kChains], c3[kChains];
+    for (int c = 0; c < kChains; ++c) {
+      c0[c] = _mm512_set1_epi32(static_cast<int>(base[0]));
+      c1[c] = _mm512_set1_epi32(static_cast<int>(base[1]));
+      c2[c] = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(base[2] + 16u * c)), lane);
+      c3[c] = _mm512_set1_epi32(static_cast<int>(base[3]));
+    }
+    uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+    for (int round = 0; round < 10; ++round) {
+      const __m512i key0 = _mm512_set1_epi32(static_cast<int>(k0)), key1 = _mm512_set1_epi32(static_cast<int>(k1));
+      for (int c = 0; c < kChains; ++c) {
+        __m512i lo0, hi0, lo1, hi1;
+        mulhilo16(c0[c], mul0, &lo0, &hi0);
+        mulhilo16(c2[c], mul1, &lo1, &hi1);
+        constexpr int kXor3 = 0x96;  // a ^ b ^ c
+        c0[c] = _mm512_ternarylogic_epi32(hi1, c1[c], key0, kXor3);
+        c2[c] = _mm512_ternarylogic_epi32(hi0, c3[c], key1, kXor3);
+        c1[c] = lo1;
+        c3[c] = lo0;
+      }
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    // Words by counter (four vectors of 16 lanes) to block-major order: a 4 x 16 transpose.
+    for (int c = 0; c < kChains; ++c) {
+      const __m512i t0 = _mm512_unpacklo_epi32(c0[c], c1[c]), t1 = _mm512_unpackhi_epi32(c0[c], c1[c]);
+      const __m512i t2 = _mm512_unpacklo_epi32(c2[c], c3[c]), t3 = _mm512_unpackhi_epi32(c2[c], c3[c]);
+      // Blocks (0, 4, 8, 12), (1, 5, 9, 13), (2, 6, 10, 14), (3, 7, 11, 15) of the chain, one per 128-bit lane.
+      const __m512i b0 = _mm512_unpacklo_epi64(t0, t2), b1 = _mm512_unpackhi_epi64(t0, t2);
+      const __m512i b2 = _mm512_unpacklo_epi64(t1, t3), b3 = _mm512_unpackhi_epi64(t1, t3);
+      // Blocks (0, 8, 1, 9), (4, 12, 5, 13), (2, 10, 3, 11), (6, 14, 7, 15), then in order.
+      const __m512i u0 = _mm512_shuffle_i32x4(b0, b1, _MM_SHUFFLE(2, 0, 2, 0));
+      const __m512i u1 = _mm512_shuffle_i32x4(b0, b1, _MM_SHUFFLE(3, 1, 3, 1));
+      const __m512i u2 = _mm512_shuffle_i32x4(b2, b3, _MM_SHUFFLE(2, 0, 2, 0));
+      const __m512i u3 = _mm512_shuffle_i32x4(b2, b3, _MM_SHUFFLE(3, 1, 3, 1));
+      auto* out = words + c * 64;
+      _mm512_storeu_si512(out, _mm512_shuffle_i32x4(u0, u2, _MM_SHUFFLE(2, 0, 2, 0)));
+      _mm512_storeu_si512(out + 16, _mm512_shuffle_i32x4(u1, u3, _MM_SHUFFLE(2, 0, 2, 0)));
+      _mm512_storeu_si512(out + 32, _mm512_shuffle_i32x4(u0, u2, _MM_SHUFFLE(3, 1, 3, 1)));
+      _mm512_storeu_si512(out + 48, _mm512_shuffle_i32x4(u1, u3, _MM_SHUFFLE(3, 1, 3, 1)));
+    }
+    return;
+  }
+#elif defined(__AVX2__)
   // The lanes' counters differ in their low word only unless the batch crosses a multiple of 2^32.
   if (static_cast<uint32_t>(first_block) <= UINT32_MAX - (kPhiloxBatch - 1)) {
     constexpr int kChains = kPhiloxBatch / 8;
@@ -98,7 +165,7 @@ void fill_multipliers(uint64_t seed, uint64_t offset, float p, T scale, uint64_t
   const int64_t blocks = static_cast<int64_t>(last_block - first_block + 1);
   words.resize(static_cast<size_t>((blocks + kPhiloxBatch) * 4));
   for (int64_t b0 = 0; b0 < blocks; b0 += kPhiloxBatch) {
-    philox_blocks16(seed, offset, first_block + static_cast<uint64_t>(b0), words.data() + b0 * 4);
+    philox_batch(seed, offset, first_block + static_cast<uint64_t>(b0), words.data() + b0 * 4);
   }
   const uint32_t* w = words.data() + (first & 3);
   for (int64_t j = 0; j < n; ++j) {
