@@ -1550,16 +1550,15 @@ void zero_masked_gradients(const AttentionInputs<T>& in, const Head<T>& head, in
 }
 
 // One pass over a row: P = exp(S - shift) * scale, dP = dW * keep, dS = P * (dP - D) * ds_scale, W = P * keep,
-// where D = sum_j dP_j P_j = dO . O (the forward output row; true with dropout too), so no row reduction is needed.
+// where D = sum_j dP_j P_j = dO . O (the forward output row; true with dropout too), d here, so no row reduction is
+// needed.
 // Masked scores have P = 0 exactly (exp(-1e9 - lse)), hence dS = 0, except in rows with exact softmax
 // constants (whose span is all keys) and in rows with a non-finite dS. p, dw and keep hold the span's columns.
 template <typename T>
-void fused_backward_row(const AttentionInputs<T>& in, const T* grad_out, const T* out, int64_t query,
-                        const KeySpan& span, const Head<T>& head, const RowSoftmax<T>& softmax, T* p, T* dw,
-                        const T* keep, T ds_scale = T(1)) {
+void fused_backward_row(const AttentionInputs<T>& in, T d, int64_t query, const KeySpan& span, const Head<T>& head,
+                        const RowSoftmax<T>& softmax, T* p, T* dw, const T* keep, T ds_scale = T(1)) {
   const int64_t width = span.size();
   using Vec = Vectorized<T>;
-  const T d = output_dot(grad_out, out, in.d_v);
   const Vec shift_vec(softmax.shift), scale_vec(softmax.scale), d_vec(d), ds_scale_vec(ds_scale);
   const bool dropout = keep != nullptr;
   const bool fast = std::isfinite(softmax.shift);
@@ -1588,12 +1587,10 @@ void fused_backward_row(const AttentionInputs<T>& in, const T* grad_out, const T
 // fused_backward_row for a row whose forward (without dropout) kept its weights W = P, which w holds over the
 // span's columns: dS = W * (dP - D), no scores recomputed.
 template <typename T>
-void kept_weights_backward_row(const AttentionInputs<T>& in, const T* grad_out, const T* out, int64_t query,
-                               const KeySpan& span, const Head<T>& head, const RowSoftmax<T>& softmax, const T* w,
-                               T* dw) {
+void kept_weights_backward_row(const AttentionInputs<T>& in, T d, int64_t query, const KeySpan& span,
+                               const Head<T>& head, const RowSoftmax<T>& softmax, const T* w, T* dw) {
   const int64_t width = span.size();
   using Vec = Vectorized<T>;
-  const T d = output_dot(grad_out, out, in.d_v);
   const Vec d_vec(d);
   int64_t j = 0;
   for (; j + Vec::size() <= width; j += Vec::size()) {
@@ -1611,12 +1608,10 @@ void kept_weights_backward_row(const AttentionInputs<T>& in, const T* grad_out, 
 // the mask or causality hide, whose dS is zero (a masked score has no gradient). Only rows whose softmax constants
 // are not exact come here: the others' constants come from GEMM scores that one dot product would not match.
 template <typename T>
-void kept_dropout_weights_backward_row(const AttentionInputs<T>& in, const T* grad_out, const T* out, int64_t query,
-                                       const KeySpan& span, const Head<T>& head, const RowSoftmax<T>& softmax,
-                                       const T* w, T* dw) {
+void kept_dropout_weights_backward_row(const AttentionInputs<T>& in, T d, int64_t query, const KeySpan& span,
+                                       const Head<T>& head, const RowSoftmax<T>& softmax, const T* w, T* dw) {
   const int64_t width = span.size();
   using Vec = Vectorized<T>;
-  const T d = output_dot(grad_out, out, in.d_v);
   const T keep = T(1.0 / (1.0 - in.dropout_p));
   const Vec d_kept(d / keep), d_vec(d), zero(T(0));
   int64_t j = 0;
@@ -1712,6 +1707,7 @@ void round_task_gradients(const AttentionInputs<T>& in, const AttentionBackwardT
 template <typename T>
 struct BackwardBuffers {
   CacheLineVector<T> probs, grad_w, keep;
+  std::vector<T> out_dots;  // D = dO . O of each row of a chunk
   std::vector<RowSoftmax<T>> softmax;
   NonFiniteKeys<T> non_finite{true};
   std::vector<uint32_t> words;
@@ -1863,7 +1859,7 @@ template <typename T>
 void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, const SplitTask<T>& task,
                    int64_t row0, int64_t rows, BackwardBuffers<T>& buf) {
   const auto& [bh, chunk_begin, chunk_end, head, grad_k, grad_v] = task;
-  auto& [probs, grad_w, keep, softmax, non_finite, words, widened, chunk_rows, own_grad_k, own_grad_v] = buf;
+  auto& [probs, grad_w, keep, out_dots, softmax, non_finite, words, widened, chunk_rows, own_grad_k, own_grad_v] = buf;
   const int64_t first_row = bh * in.len_q + row0;
   const T* grad_out = chunk_rows.grad_out;
   const T* out = chunk_rows.out;
@@ -1907,6 +1903,12 @@ void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<
   // see a weight of exactly 0 (may_skip) and no product runs in the half type (whose operands are packed per chunk).
   const bool pieces = in.is_causal && head.mask == nullptr && may_skip && kept == nullptr && in.half.q == nullptr &&
                       !non_finite.any(in, head, bh);
+  // Each row's D once for all its key blocks, in a loop of its own: with the heads interleaved in dO and O a row
+  // is a whole row of heads from the next, and reading them between the rows' passes cost more than the dots.
+  out_dots.resize(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) {
+    out_dots[r] = output_dot(grad_out + r * ld_grad_out, out + r * chunk_rows.ld_out, in.d_v);
+  }
   bool computed = false;
   for (int64_t from = span.lo; from < span.hi;) {
     const KeySpan block = next_block(in, head, row0, rows, span, from, narrow);
@@ -1918,7 +1920,6 @@ void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<
       // The rows from `skip` on: their dO, O, Q and dQ rows, softmax constants and place in the score layout.
       const int64_t m = rows - skip, n = part.size(), lo = part.lo;
       const T* piece_grad_out = grad_out + skip * ld_grad_out;
-      const T* piece_out = out + skip * chunk_rows.ld_out;
       const T* piece_q = q_rows != nullptr ? q_rows + skip * in.q_stride.row : nullptr;
       T* piece_grad_q = grad_q + skip * ld_grad_q;
       // Rows of the block in T (none where the products run in the half type).
@@ -1939,20 +1940,18 @@ void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<
         fill_chunk_keep(in, first_row + skip, m, part, words, keep.data());
       }
       for (int64_t r = 0; r < m; ++r) {
-        const T* grad_out_row = piece_grad_out + r * ld_grad_out;
-        const T* out_row = piece_out + r * chunk_rows.ld_out;
+        const T d = out_dots[skip + r];
         const int64_t query = row0 + skip + r;
         if (kept != nullptr && in.dropout_p > 0) {
-          kept_dropout_weights_backward_row(in, grad_out_row, out_row, query, part, head, softmax[skip + r],
+          kept_dropout_weights_backward_row(in, d, query, part, head, softmax[skip + r],
                                             kept + (skip + r) * in.len_k + lo, grad_w.data() + r * n);
         } else if (kept != nullptr) {
-          kept_weights_backward_row(in, grad_out_row, out_row, query, part, head, softmax[skip + r],
-                                    kept + (skip + r) * in.len_k + lo, grad_w.data() + r * n);
+          kept_weights_backward_row(in, d, query, part, head, softmax[skip + r], kept + (skip + r) * in.len_k + lo,
+                                    grad_w.data() + r * n);
         } else {
           // The half-type products take dS scaled (half_block_gradients); the others scale it in their GEMMs.
-          fused_backward_row(in, grad_out_row, out_row, query, part, head, softmax[skip + r], probs.data() + r * n,
-                             grad_w.data() + r * n, in.dropout_p > 0 ? keep.data() + r * n : nullptr,
-                             in.half.q != nullptr ? in.scale : T(1));
+          fused_backward_row(in, d, query, part, head, softmax[skip + r], probs.data() + r * n, grad_w.data() + r * n,
+                             in.dropout_p > 0 ? keep.data() + r * n : nullptr, in.half.q != nullptr ? in.scale : T(1));
         }
       }
       if (in.half.q != nullptr) {
@@ -2013,7 +2012,8 @@ void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<
   for_each_backward_chunk(
       in, g, chunk, ld, [&](const SplitTask<T>& task, int64_t row0, int64_t rows, BackwardBuffers<T>& buf) {
         const auto& [bh, chunk_begin, chunk_end, head, grad_k, grad_v] = task;
-        auto& [probs, grad_w, keep, softmax, non_finite, words, widened, chunk_rows, own_grad_k, own_grad_v] = buf;
+        auto& [probs, grad_w, keep, out_dots, softmax, non_finite, words, widened, chunk_rows, own_grad_k, own_grad_v] =
+            buf;
         const int64_t first_row = bh * in.len_q + row0;
         const T* grad_out = head_row(g.grad_out, g.grad_out_stride, in.heads, bh, row0);
         const int64_t ld_grad_out = g.grad_out_stride.row;
