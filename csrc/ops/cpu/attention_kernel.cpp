@@ -293,9 +293,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
   // than whole fp32 copies going through memory.
   const bool half_rows = half || widen_in_tasks;
   auto grad_q = empty_output({batch, heads, len_q, d_k}, query, half_rows ? query.options() : acc_options);
-  // One split: the tasks write dK and dV themselves (in a half type: summed in their own fp32 rows, rounded into
-  // these). More: partial sums (splits, B, H, Lk, d), added up below.
-  const bool own_key_rows = half_rows && splits == 1;
+  // One split: the tasks write dK and dV themselves, summed in their own rows where the gradients are in a half type
+  // (rounded into these) or have their heads interleaved (copied in). More: partial sums (splits, B, H, Lk, d),
+  // added up below.
+  const bool own_key_rows = splits == 1 && (half_rows || heads_interleaved(key) || heads_interleaved(value));
   auto partial = [&](const at::Tensor& input, int64_t d) {
     if (own_key_rows) {
       return empty_output({batch, heads, len_k, d}, input, input.options().dtype(dtype)).unsqueeze(0);
@@ -348,11 +349,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
       grads.source_out = static_cast<const uint16_t*>(out.const_data_ptr());
       grads.half_grad_q = static_cast<uint16_t*>(grad_q.data_ptr());
     }
-    if (own_key_rows) {
+    if (own_key_rows && half_rows) {
       grads.half_grad_k = static_cast<uint16_t*>(grad_k_partial.data_ptr());
       grads.half_grad_v = static_cast<uint16_t*>(grad_v_partial.data_ptr());
       grads.half_grad_k_stride = strides3(grad_k_partial.select(0, 0));
       grads.half_grad_v_stride = strides3(grad_v_partial.select(0, 0));
+    } else if (own_key_rows) {
+      grads.task_grad_k = grad_k_partial.data_ptr<scalar_t>();
+      grads.task_grad_v = grad_v_partial.data_ptr<scalar_t>();
+      grads.task_grad_k_stride = strides3(grad_k_partial.select(0, 0));
+      grads.task_grad_v_stride = strides3(grad_v_partial.select(0, 0));
     }
     if (half) {
       in.half = half_inputs.view(choice.half_products_vnni);

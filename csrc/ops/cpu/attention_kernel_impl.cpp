@@ -1660,7 +1660,7 @@ void kept_dropout_weights_backward_row(const AttentionInputs<T>& in, T d, int64_
 }
 
 // One backward task: a range of one head's query chunks, with its own partial dK and dV, zeroed here (the
-// caller sums the splits), or the task's own rows of them (g.half_grad_k; own_k and own_v hold them).
+// caller sums the splits), or the task's own rows of them (g.half_grad_k, g.task_grad_k; own_k and own_v hold them).
 template <typename T>
 struct SplitTask {
   int64_t bh, chunk_begin, chunk_end;
@@ -1675,7 +1675,7 @@ SplitTask<T> split_task(const AttentionInputs<T>& in, const AttentionBackwardTen
   const int64_t bh = task / g.splits, split = task % g.splits;
   T* grad_k = nullptr;
   T* grad_v = nullptr;
-  if (g.half_grad_k != nullptr) {
+  if (g.half_grad_k != nullptr || g.task_grad_k != nullptr) {
     hold_at_least(own_k, in.len_k * in.d_k);
     hold_at_least(own_v, in.len_k * in.d_v);
     grad_k = own_k.data();
@@ -1689,11 +1689,20 @@ SplitTask<T> split_task(const AttentionInputs<T>& in, const AttentionBackwardTen
   return {bh, split * chunks / g.splits, (split + 1) * chunks / g.splits, head_pointers(in, bh), grad_k, grad_v};
 }
 
-// A task's own dK and dV rows (g.half_grad_k), final once it has run all its head's chunks, rounded into the
-// half-type gradients.
+// A task's own dK and dV rows (g.half_grad_k, g.task_grad_k), final once it has run all its head's chunks, rounded
+// into the half-type gradients or copied into those in T.
 template <typename T>
-void round_task_gradients(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g,
-                          const SplitTask<T>& task) {
+void finish_task_gradients(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g,
+                           const SplitTask<T>& task) {
+  if (g.task_grad_k != nullptr) {
+    const auto copy = [&](const T* rows, int64_t d, T* dst, const Strides3& stride) {
+      T* head = head_row(dst, stride, in.heads, task.bh, 0);
+      for (int64_t r = 0; r < in.len_k; ++r) std::copy_n(rows + r * d, d, head + r * stride.row);
+    };
+    copy(task.grad_k, in.d_k, g.task_grad_k, g.task_grad_k_stride);
+    copy(task.grad_v, in.d_v, g.task_grad_v, g.task_grad_v_stride);
+    return;
+  }
   if constexpr (std::is_same_v<T, float>) {
     round_rows(in.half_source.kind, task.grad_k, in.len_k, in.d_k,
                head_row(g.half_grad_k, g.half_grad_k_stride, in.heads, task.bh, 0), g.half_grad_k_stride.row);
@@ -1845,8 +1854,8 @@ void for_each_backward_chunk(const AttentionInputs<T>& in, const AttentionBackwa
           use_widened_rows(in, buf.widened, task.bh, row0, rows, task.head);
           body(task, row0, rows, buf);
         }
-        if (g.half_grad_k != nullptr) {
-          round_task_gradients(in, g, task);
+        if (g.half_grad_k != nullptr || g.task_grad_k != nullptr) {
+          finish_task_gradients(in, g, task);
         }
       }
     }
