@@ -293,10 +293,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
   // than whole fp32 copies going through memory.
   const bool half_rows = half || widen_in_tasks;
   auto grad_q = empty_output({batch, heads, len_q, d_k}, query, half_rows ? query.options() : acc_options);
-  // One split: the tasks write dK and dV themselves, summed in their own rows where the gradients are in a half type
-  // (rounded into these) or have their heads interleaved (copied in). More: partial sums (splits, B, H, Lk, d),
-  // added up below.
-  const bool own_key_rows = splits == 1 && (half_rows || heads_interleaved(key) || heads_interleaved(value));
+  // One split: the tasks write dK and dV themselves, summed in their own rows where the tasks round them into a half
+  // type or the gradients, in the accumulation type, have their heads interleaved (copied in). More: partial sums
+  // (splits, B, H, Lk, d), added up below.
+  const bool own_key_rows =
+      splits == 1 && (half_rows || (dtype == acc && (heads_interleaved(key) || heads_interleaved(value))));
   auto partial = [&](const at::Tensor& input, int64_t d) {
     if (own_key_rows) {
       return empty_output({batch, heads, len_k, d}, input, input.options().dtype(dtype)).unsqueeze(0);
