@@ -1347,7 +1347,8 @@ constexpr int64_t kHalfKeysDirectlyUpToQueries = 2;
 
 template <typename T>
 bool uses_half_keys_directly(const AttentionInputs<T>& in) {
-  return std::is_same_v<T, float> && in.widen_in_tasks && in.len_q <= kHalfKeysDirectlyUpToQueries;
+  return std::is_same_v<T, float> && in.widen_in_tasks && in.half_source.k != nullptr &&
+         in.len_q <= kHalfKeysDirectlyUpToQueries;
 }
 
 template <typename T>
@@ -1432,7 +1433,8 @@ void write_half_weights(const AttentionForwardOutputs<T>& out, int64_t first, co
 template <typename T>
 void forward_impl(const AttentionInputs<T>& inputs, const AttentionForwardOutputs<T>& out) {
   PackedHeadsStorage packed_heads;
-  TORCH_INTERNAL_ASSERT(!inputs.widen_in_tasks || (inputs.half.q == nullptr && std::is_same_v<T, float>),
+  TORCH_INTERNAL_ASSERT(!inputs.widen_in_tasks || inputs.copy_source.q != nullptr ||
+                            (inputs.half.q == nullptr && std::is_same_v<T, float>),
                         "the tasks widen half-type operands only for products in float");
   const AttentionInputs<T> in = with_packed_heads(inputs, false, packed_heads);
   if (!out.keeps_weights()) {
@@ -2007,8 +2009,9 @@ void blocked_backward(const AttentionInputs<T>& inputs, const AttentionBackwardT
 
 template <typename T>
 void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g) {
-  TORCH_INTERNAL_ASSERT(!in.widen_in_tasks || (std::is_same_v<T, float>), "the tasks widen for float only");
-  TORCH_INTERNAL_ASSERT(g.weights == nullptr || (in.half.q == nullptr && !in.widen_in_tasks),
+  const bool copies = in.copy_source.q != nullptr;
+  TORCH_INTERNAL_ASSERT(!in.widen_in_tasks || copies || (std::is_same_v<T, float>), "the tasks widen for float only");
+  TORCH_INTERNAL_ASSERT(g.weights == nullptr || (in.half.q == nullptr && (!in.widen_in_tasks || copies)),
                         "kept weights are read in the accumulation type only");
   if ((g.out != nullptr || g.source_out != nullptr) && g.grad_weights == nullptr) {
     return blocked_backward(in, g);

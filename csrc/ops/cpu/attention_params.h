@@ -62,7 +62,14 @@ struct AttentionInputs {
   // (widened_rows.h): q, k and v above are then nullptr, their row strides d_k and d_v. They are nullptr too where
   // the products run in the half type (half); the backward then also sets half_source. T = float only.
   HalfOperands half_source;
-  bool widen_in_tasks = false;  // whether the tasks widen half_source (its pointers are nullptr where it is empty)
+  // Or q/k/v in T, laid out with their heads interleaved ((B, L, H, d) memory), which the backward's tasks copy the
+  // same way (a head's rows a row of heads apart share a few cache sets, where the GEMMs' repeated reads of them
+  // evict one another).
+  struct {
+    const T *q = nullptr, *k = nullptr, *v = nullptr;
+    Strides3 q_stride{}, k_stride{}, v_stride{};
+  } copy_source;
+  bool widen_in_tasks = false;  // whether the tasks widen half_source or copy copy_source (nullptr where empty)
   bool float_brgemm = false;    // T = float only: the forward's P V on oneDNN's brgemm (float_gemm.h)
 };
 

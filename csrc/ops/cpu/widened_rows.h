@@ -183,10 +183,10 @@ inline void half_rows_apply(HalfKind kind, const float* p, int64_t ld, int64_t r
   }
 }
 
-// One task's q, k and v in T when the tasks widen them (in.widen_in_tasks, from in.half_source): the keys and values of
-// one head at a time, widened when the task moves to another head (a head split among tasks is widened by each), and
-// the query rows of its current chunk, in place of the rows of a head's whole queries (row stride d_k, d_k and d_v as
-// in.q_stride etc. say).
+// One task's q, k and v in T when the tasks widen them (in.widen_in_tasks, from in.half_source, or copied from
+// in.copy_source): the keys and values of one head at a time, widened when the task moves to another head (a head
+// split among tasks is widened by each), and the query rows of its current chunk, in place of the rows of a head's
+// whole queries (row stride d_k, d_k and d_v as in.q_stride etc. say).
 template <typename T>
 class WidenedHead {
  public:
@@ -198,6 +198,9 @@ class WidenedHead {
 
   // Head bh's rows, with queries row0 .. row0 + rows widened.
   Rows rows_of(const AttentionInputs<T>& in, int64_t bh, int64_t row0, int64_t rows) {
+    if (in.copy_source.q != nullptr) {
+      return copied_rows_of(in, bh, row0, rows);
+    }
     if constexpr (std::is_same_v<T, float>) {
       const HalfOperands& src = in.half_source;
       if (bh != bh_) {
@@ -229,6 +232,23 @@ class WidenedHead {
   }
 
  private:
+  Rows copied_rows_of(const AttentionInputs<T>& in, int64_t bh, int64_t row0, int64_t rows) {
+    const auto& src = in.copy_source;
+    const auto copy = [&](const T* from, int64_t ld, int64_t count, int64_t d, T* to) {
+      for (int64_t r = 0; r < count; ++r) std::copy_n(from + r * ld, d, to + r * d);
+    };
+    if (bh != bh_) {
+      k_.resize(static_cast<size_t>(in.len_k * in.d_k));
+      v_.resize(static_cast<size_t>(in.len_k * in.d_v));
+      q_.resize(static_cast<size_t>(in.len_q * in.d_k));
+      copy(head_row(src.k, src.k_stride, in.heads, bh, 0), src.k_stride.row, in.len_k, in.d_k, k_.data());
+      copy(head_row(src.v, src.v_stride, in.heads, bh, 0), src.v_stride.row, in.len_k, in.d_v, v_.data());
+      bh_ = bh;
+    }
+    copy(head_row(src.q, src.q_stride, in.heads, bh, row0), src.q_stride.row, rows, in.d_k, q_.data() + row0 * in.d_k);
+    return {q_.data(), k_.data(), v_.data()};
+  }
+
   CacheLineVector<T> q_, k_, v_;
   int64_t bh_ = -1;
 };
