@@ -128,6 +128,21 @@ def test_gradients_from_any_output_gradient_layout(monkeypatch, grad_layout, spl
         torch.testing.assert_close(got.double(), want, **TOLERANCES[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("need_weights", [True, False])
+@pytest.mark.parametrize("b,h,d", [(0, 2, 8), (0, 1, 8)])
+def test_empty_inputs_with_interleaved_heads(dtype, need_weights, b, h, d):
+    # Enough query rows (130) for the forward's tasks to copy interleaved heads, but nothing to copy.
+    q, k, v = (interleaved(b, h, n, d, dtype).requires_grad_() for n in (130, 140, 140))
+    out, weights = OPS.attention(q, k, v, None, 0.0, need_weights, False)
+    ref_out, ref_weights = oracle_attention(q.detach(), k.detach(), v.detach())
+    assert out.shape == ref_out.shape and (not need_weights or weights.shape == ref_weights.shape)
+    torch.testing.assert_close(out, ref_out)
+    out.sum().backward()
+    for t in (q, k, v):
+        assert t.grad.shape == t.shape and torch.count_nonzero(t.grad) == 0
+
+
 def test_the_public_op_and_autograd_keep_the_layout():
     q, k, v = (interleaved(2, 4, 9, 8, torch.float32).requires_grad_() for _ in range(3))
     out, _ = OPS.attention(q, k, v, None, 0.0, False, False)

@@ -108,18 +108,20 @@ cpu::AttentionInputs<T> kernel_inputs(const at::Tensor& q, const at::Tensor& k, 
   return in;
 }
 
-// Where q, k or v has its heads interleaved, the kernels' tasks copy each head's rows into their own buffers
-// (cpu::AttentionInputs::copy_source). Measured in float32 (8 heads of 64, all interleaved) against reading them in
-// place: the backward took 0.95-0.97x the time at 16-512 query rows; the forward 0.95-0.97x from 128 query rows,
-// but 1.03-1.15x below, whose products read each key and value only once or twice (decoding steps). With the
-// core at (8, 8, 512, 64), forward + backward took 1.06-1.08x the contiguous layout's time so, 1.12-1.15x without.
+// Where the rows of q, k or v are not back to back (their heads interleaved), the kernels' tasks copy each head's rows
+// into their own buffers (cpu::AttentionInputs::copy_source). Measured in float32 (8 heads of 64, all interleaved)
+// against reading them in place: the backward took 0.95-0.97x the time at 16-512 query rows; the forward 0.95-0.97x
+// from 128 query rows, but 1.03-1.15x below, whose products read each key and value only once or twice (decoding
+// steps). With the core at (8, 8, 512, 64), forward + backward took 1.06-1.08x the contiguous layout's time
+// so, 1.12-1.15x without.
 constexpr int64_t kCopiedHeadsForwardFromQueries = 128;
 
 template <typename T>
 void copy_interleaved_heads_in_tasks(cpu::AttentionInputs<T>& in, const at::Tensor& q, const at::Tensor& k,
                                      const at::Tensor& v) {
-  if (!heads_interleaved(q) && !heads_interleaved(k) && !heads_interleaved(v)) {
-    return;
+  const auto apart = [](const at::Tensor& t) { return t.size(2) > 1 && t.stride(2) != t.size(3); };
+  if (q.numel() == 0 || k.numel() == 0 || v.numel() == 0 || (!apart(q) && !apart(k) && !apart(v))) {
+    return;  // nothing to copy, or rows already back to back
   }
   in.copy_source = {in.q, in.k, in.v, in.q_stride, in.k_stride, in.v_stride};
   in.q = in.k = in.v = nullptr;
@@ -320,8 +322,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
   // One split: the tasks write dK and dV themselves, summed in their own rows where the tasks round them into a half
   // type or the gradients, in the accumulation type, have their heads interleaved (copied in). More: partial sums
   // (splits, B, H, Lk, d), added up below.
-  const bool own_key_rows =
-      splits == 1 && (half_rows || (dtype == acc && (heads_interleaved(key) || heads_interleaved(value))));
+  const auto interleaved = [](const at::Tensor& t) { return t.size(1) > 1 && heads_interleaved(t); };
+  const bool own_key_rows = splits == 1 && (half_rows || (dtype == acc && (interleaved(key) || interleaved(value))));
   auto partial = [&](const at::Tensor& input, int64_t d) {
     if (own_key_rows) {
       return empty_output({batch, heads, len_k, d}, input, input.options().dtype(dtype)).unsqueeze(0);

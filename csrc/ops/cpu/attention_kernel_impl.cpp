@@ -79,8 +79,8 @@ template <typename T>
 Head<T> head_pointers(const AttentionInputs<T>& in, int64_t bh) {
   const int64_t b = bh / in.heads, h = bh % in.heads;
   const bool* mask = in.mask ? in.mask + b * in.mask_stride[0] + h * in.mask_stride[1] : nullptr;
-  // No q/k/v pointers when the tasks widen them (in.half_source: forward_chunk and for_each_backward_chunk give
-  // them), nor in a forward whose products run in the half type.
+  // No q/k/v pointers when the tasks widen or copy them (in.half_source, in.copy_source: forward_chunk and
+  // for_each_backward_chunk give them), nor in a forward whose products run in the half type.
   Head<T> head{head_row(in.q, in.q_stride, in.heads, bh, 0), head_row(in.k, in.k_stride, in.heads, bh, 0),
                head_row(in.v, in.v_stride, in.heads, bh, 0), mask};
   if (in.mask_rows != nullptr) {
@@ -1552,8 +1552,8 @@ void zero_masked_gradients(const AttentionInputs<T>& in, const Head<T>& head, in
 }
 
 // One pass over a row: P = exp(S - shift) * scale, dP = dW * keep, dS = P * (dP - D) * ds_scale, W = P * keep,
-// where D = sum_j dP_j P_j = dO . O (the forward output row; true with dropout too), d here, so no row reduction is
-// needed.
+// where D = sum_j dP_j P_j = dO . O (the forward output row; true with dropout too; the argument d), so no row
+// reduction is needed.
 // Masked scores have P = 0 exactly (exp(-1e9 - lse)), hence dS = 0, except in rows with exact softmax
 // constants (whose span is all keys) and in rows with a non-finite dS. p, dw and keep hold the span's columns.
 template <typename T>
@@ -1698,6 +1698,9 @@ void finish_task_gradients(const AttentionInputs<T>& in, const AttentionBackward
                            const SplitTask<T>& task) {
   if (g.task_grad_k != nullptr) {
     const auto copy = [&](const T* rows, int64_t d, T* dst, const Strides3& stride) {
+      if (d == 0) {  // an empty gradient: no rows to write
+        return;
+      }
       T* head = head_row(dst, stride, in.heads, task.bh, 0);
       for (int64_t r = 0; r < in.len_k; ++r) std::copy_n(rows + r * d, d, head + r * stride.row);
     };
@@ -1724,7 +1727,7 @@ struct BackwardBuffers {
   std::vector<uint32_t> words;
   WidenedHead<T> widened;  // q/k/v when the tasks widen them (in.widen_in_tasks)
   BackwardChunkRows<T> chunk_rows;
-  CacheLineVector<T> own_grad_k, own_grad_v;  // a task's dK and dV rows (AttentionBackwardTensors::half_grad_k)
+  CacheLineVector<T> own_grad_k, own_grad_v;  // a task's dK and dV rows (half_grad_k, task_grad_k)
 };
 
 // Whether query row `query` sees no key at all (mask, and causality with is_causal): all its scores are -1e9.

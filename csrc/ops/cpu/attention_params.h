@@ -62,9 +62,9 @@ struct AttentionInputs {
   // (widened_rows.h): q, k and v above are then nullptr, their row strides d_k and d_v. They are nullptr too where
   // the products run in the half type (half); the backward then also sets half_source. T = float only.
   HalfOperands half_source;
-  // Or q/k/v in T, laid out with their heads interleaved ((B, L, H, d) memory), which the backward's tasks copy the
-  // same way (a head's rows a row of heads apart share a few cache sets, where the GEMMs' repeated reads of them
-  // evict one another).
+  // Or q/k/v in T whose rows are not back to back (heads interleaved: (B, L, H, d) memory), which the tasks copy the
+  // same way (the backward's always, the forward's from 128 query rows): rows a row of heads apart share a few cache
+  // sets, where the GEMMs' repeated reads of them evict one another.
   struct {
     const T *q = nullptr, *k = nullptr, *v = nullptr;
     Strides3 q_stride{}, k_stride{}, v_stride{};
