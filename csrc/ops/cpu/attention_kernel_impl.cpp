@@ -1697,15 +1697,10 @@ template <typename T>
 void finish_task_gradients(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g,
                            const SplitTask<T>& task) {
   if (g.task_grad_k != nullptr) {
-    const auto copy = [&](const T* rows, int64_t d, T* dst, const Strides3& stride) {
-      if (d == 0) {  // an empty gradient: no rows to write
-        return;
-      }
-      T* head = head_row(dst, stride, in.heads, task.bh, 0);
-      for (int64_t r = 0; r < in.len_k; ++r) std::copy_n(rows + r * d, d, head + r * stride.row);
-    };
-    copy(task.grad_k, in.d_k, g.task_grad_k, g.task_grad_k_stride);
-    copy(task.grad_v, in.d_v, g.task_grad_v, g.task_grad_v_stride);
+    copy_rows(task.grad_k, in.d_k, in.len_k, in.d_k,
+              head_row(g.task_grad_k, g.task_grad_k_stride, in.heads, task.bh, 0), g.task_grad_k_stride.row);
+    copy_rows(task.grad_v, in.d_v, in.len_k, in.d_v,
+              head_row(g.task_grad_v, g.task_grad_v_stride, in.heads, task.bh, 0), g.task_grad_v_stride.row);
     return;
   }
   if constexpr (std::is_same_v<T, float>) {

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "ops/cpu/attention_params.h"
@@ -71,6 +72,16 @@ inline void widen_rows(HalfKind kind, const uint16_t* src, int64_t ld, int64_t r
       widen_values(reinterpret_cast<const at::Half*>(src + r * ld), dst + r * n, n);
     }
   }
+}
+
+// `rows` rows of n values of T (row stride src_ld) copied into rows of row stride dst_ld: widen_rows' and round_rows'
+// counterpart for operands already in T.
+template <typename T>
+void copy_rows(const T* src, int64_t src_ld, int64_t rows, int64_t n, T* dst, int64_t dst_ld) {
+  if (n == 0) {  // an empty operand's rows: no pointers to step
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r) std::copy_n(src + r * src_ld, n, dst + r * dst_ld);
 }
 
 // `rows` rows of n fp32 values, back to back, rounded to the half type `kind` into rows of row stride ld.
@@ -198,55 +209,47 @@ class WidenedHead {
 
   // Head bh's rows, with queries row0 .. row0 + rows widened.
   Rows rows_of(const AttentionInputs<T>& in, int64_t bh, int64_t row0, int64_t rows) {
-    if (in.copy_source.q != nullptr) {
-      return copied_rows_of(in, bh, row0, rows);
+    if (bh != bh_) {
+      k_.resize(static_cast<size_t>(in.len_k * in.d_k));
+      v_.resize(static_cast<size_t>(in.len_k * in.d_v));
+      load(in, Operand::kKey, bh, 0, in.len_k, k_.data());
+      load(in, Operand::kValue, bh, 0, in.len_k, v_.data());
+      bh_ = bh;
     }
-    if constexpr (std::is_same_v<T, float>) {
-      const HalfOperands& src = in.half_source;
-      if (bh != bh_) {
-        k_.resize(static_cast<size_t>(in.len_k * in.d_k));
-        v_.resize(static_cast<size_t>(in.len_k * in.d_v));
-        q_.resize(static_cast<size_t>(in.len_q * in.d_k));
-        widen_rows(src.kind, head_row(src.k, src.k_stride, in.heads, bh, 0), src.k_stride.row, in.len_k, in.d_k,
-                   k_.data());
-        widen_rows(src.kind, head_row(src.v, src.v_stride, in.heads, bh, 0), src.v_stride.row, in.len_k, in.d_v,
-                   v_.data());
-        bh_ = bh;
-      }
-      widen_rows(src.kind, head_row(src.q, src.q_stride, in.heads, bh, row0), src.q_stride.row, rows, in.d_k,
-                 q_.data() + row0 * in.d_k);
-    }
+    q_.resize(static_cast<size_t>(in.len_q * in.d_k));
+    load(in, Operand::kQuery, bh, row0, rows, q_.data() + row0 * in.d_k);
     return {q_.data(), k_.data(), v_.data()};
   }
 
   // Head bh's queries row0 .. row0 + rows widened (as rows_of gives them), the keys and values left as they are.
   const T* query_rows_of(const AttentionInputs<T>& in, int64_t bh, int64_t row0, int64_t rows) {
-    if constexpr (std::is_same_v<T, float>) {
-      const HalfOperands& src = in.half_source;
-      q_.resize(static_cast<size_t>(in.len_q * in.d_k));
-      widen_rows(src.kind, head_row(src.q, src.q_stride, in.heads, bh, row0), src.q_stride.row, rows, in.d_k,
-                 q_.data() + row0 * in.d_k);
-      bh_ = -1;  // the keys and values held, if any, are no longer this head's
-    }
+    q_.resize(static_cast<size_t>(in.len_q * in.d_k));
+    load(in, Operand::kQuery, bh, row0, rows, q_.data() + row0 * in.d_k);
+    bh_ = -1;  // the keys and values held, if any, are no longer this head's
     return q_.data();
   }
 
  private:
-  Rows copied_rows_of(const AttentionInputs<T>& in, int64_t bh, int64_t row0, int64_t rows) {
-    const auto& src = in.copy_source;
-    const auto copy = [&](const T* from, int64_t ld, int64_t count, int64_t d, T* to) {
-      for (int64_t r = 0; r < count; ++r) std::copy_n(from + r * ld, d, to + r * d);
+  enum class Operand { kQuery, kKey, kValue };
+
+  // Rows first .. first + count - 1 of head bh's q, k or v, back to back at dst: copied from in.copy_source, or
+  // widened from in.half_source.
+  static void load(const AttentionInputs<T>& in, Operand operand, int64_t bh, int64_t first, int64_t count, T* dst) {
+    const int64_t d = operand == Operand::kValue ? in.d_v : in.d_k;
+    const auto rows_of_head = [&](const auto& src) {  // the operand's first row and its row stride
+      const auto* base = operand == Operand::kQuery ? src.q : operand == Operand::kKey ? src.k : src.v;
+      const Strides3& stride = operand == Operand::kQuery ? src.q_stride
+                               : operand == Operand::kKey ? src.k_stride
+                                                          : src.v_stride;
+      return std::make_pair(head_row(base, stride, in.heads, bh, first), stride.row);
     };
-    if (bh != bh_) {
-      k_.resize(static_cast<size_t>(in.len_k * in.d_k));
-      v_.resize(static_cast<size_t>(in.len_k * in.d_v));
-      q_.resize(static_cast<size_t>(in.len_q * in.d_k));
-      copy(head_row(src.k, src.k_stride, in.heads, bh, 0), src.k_stride.row, in.len_k, in.d_k, k_.data());
-      copy(head_row(src.v, src.v_stride, in.heads, bh, 0), src.v_stride.row, in.len_k, in.d_v, v_.data());
-      bh_ = bh;
+    if (in.copy_source.q != nullptr) {
+      const auto [rows, ld] = rows_of_head(in.copy_source);
+      copy_rows(rows, ld, count, d, dst, d);
+    } else if constexpr (std::is_same_v<T, float>) {
+      const auto [rows, ld] = rows_of_head(in.half_source);
+      widen_rows(in.half_source.kind, rows, ld, count, d, dst);
     }
-    copy(head_row(src.q, src.q_stride, in.heads, bh, row0), src.q_stride.row, rows, in.d_k, q_.data() + row0 * in.d_k);
-    return {q_.data(), k_.data(), v_.data()};
   }
 
   CacheLineVector<T> q_, k_, v_;
