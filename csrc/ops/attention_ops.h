@@ -4,6 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <array>
 #include <optional>
 #include <tuple>
 
@@ -40,8 +41,24 @@ MultiHeadAttentionForwardResult multi_head_attention_forward(const at::Tensor& q
                                                              const std::optional<at::Tensor>& mask, double dropout_p,
                                                              bool need_weights, bool is_causal);
 
+// Which of the block's inputs are one tensor (self-attention's x, cross-attention's memory), as bits.
+constexpr int64_t kKeyIsQuery = 1, kValueIsQuery = 2, kValueIsKey = 4;
+inline int64_t shared_inputs_of(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value) {
+  return (key.is_same(query) ? kKeyIsQuery : 0) | (value.is_same(query) ? kValueIsQuery : 0) |
+         (value.is_same(key) ? kValueIsKey : 0);
+}
+// For each of query, key and value (0, 1, 2): the first input it repeats by `shared` bits, itself where none.
+inline std::array<size_t, 3> first_of_shared(int64_t shared) {
+  const size_t key = (shared & kKeyIsQuery) != 0 ? 0 : 1;
+  const size_t value = (shared & kValueIsQuery) != 0 ? 0 : (shared & kValueIsKey) != 0 ? key : 2;
+  return {0, key, value};
+}
+
 // (grad_query, grad_key, grad_value, grad_w_q, grad_w_k, grad_w_v, grad_w_o). `grad_*_proj`: gradients that
 // reached the saved projections by another path (a second-order graph built on them), added to the attention's.
+// `shared_inputs` says which inputs the caller passed as one tensor (shared_inputs_of): each such gradient is
+// added into that of the first input it repeats, by the products themselves (projections_backward), and comes
+// back empty (size 0).
 using MultiHeadAttentionBackwardResult =
     std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
@@ -53,6 +70,6 @@ MultiHeadAttentionBackwardResult multi_head_attention_backward(
     const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal, const std::optional<at::Tensor>& weights,
     const std::optional<at::Tensor>& grad_query_proj = std::nullopt,
     const std::optional<at::Tensor>& grad_key_proj = std::nullopt,
-    const std::optional<at::Tensor>& grad_value_proj = std::nullopt);
+    const std::optional<at::Tensor>& grad_value_proj = std::nullopt, int64_t shared_inputs = 0);
 
 }  // namespace fastmha::detail

@@ -6,7 +6,9 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <array>
 #include <mutex>
+#include <vector>
 
 #include <fastmha/ops.h>
 
@@ -53,13 +55,13 @@ MultiHeadAttentionBackwardResult multi_head_attention_backward(
     const at::Tensor& context, const at::Tensor& logsumexp, const at::Tensor& rng_state, int64_t num_heads,
     const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal, const std::optional<at::Tensor>& weights,
     const std::optional<at::Tensor>& grad_query_proj, const std::optional<at::Tensor>& grad_key_proj,
-    const std::optional<at::Tensor>& grad_value_proj) {
+    const std::optional<at::Tensor>& grad_value_proj, int64_t shared_inputs) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastmha::_multi_head_attention_backward", "")
                        .typed<decltype(multi_head_attention_backward)>();
   return op.call(grad_output, grad_weights, query, key, value, w_q, w_k, w_v, w_o, query_proj, key_proj, value_proj,
                  context, logsumexp, rng_state, num_heads, mask, dropout_p, is_causal, weights, grad_query_proj,
-                 grad_key_proj, grad_value_proj);
+                 grad_key_proj, grad_value_proj, shared_inputs);
 }
 
 }  // namespace detail
@@ -126,7 +128,7 @@ detail::MultiHeadAttentionBackwardResult multi_head_attention_backward_kernel(
     const at::Tensor& context, const at::Tensor& logsumexp, const at::Tensor& rng_state, int64_t num_heads,
     const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal, const std::optional<at::Tensor>& weights,
     const std::optional<at::Tensor>& grad_query_proj, const std::optional<at::Tensor>& grad_key_proj,
-    const std::optional<at::Tensor>& grad_value_proj) {
+    const std::optional<at::Tensor>& grad_value_proj, int64_t shared_inputs) {
   // output = context @ w_o^T
   auto [grad_context, grad_w_o] = projection_backward(grad_output, context, w_o);
   auto [grad_q_heads, grad_k_heads, grad_v_heads] =
@@ -138,11 +140,36 @@ detail::MultiHeadAttentionBackwardResult multi_head_attention_backward_kernel(
   const auto grad_proj = [&](const at::Tensor& heads, const std::optional<at::Tensor>& other) {
     return other.has_value() ? merge_heads(heads) + *other : merge_heads(heads);
   };
+  const std::array<at::Tensor, 3> xs = {query, key, value}, w = {w_q, w_k, w_v};
+  const std::array<at::Tensor, 3> grad_y = {grad_proj(grad_q_heads, grad_query_proj),
+                                            grad_proj(grad_k_heads, grad_key_proj),
+                                            grad_proj(grad_v_heads, grad_value_proj)};
+  const auto first = detail::first_of_shared(shared_inputs);
+  std::array<at::Tensor, 3> grad_x, grad_w;
   WidenedInputs inputs({query, key, value});
-  auto [grad_query, grad_w_q] = projection_backward(grad_proj(grad_q_heads, grad_query_proj), query, w_q, inputs);
-  auto [grad_key, grad_w_k] = projection_backward(grad_proj(grad_k_heads, grad_key_proj), key, w_k, inputs);
-  auto [grad_value, grad_w_v] = projection_backward(grad_proj(grad_v_heads, grad_value_proj), value, w_v, inputs);
-  return {grad_query, grad_key, grad_value, grad_w_q, grad_w_k, grad_w_v, grad_w_o};
+  for (size_t i = 0; i < xs.size(); ++i) {
+    if (first[i] != i) {
+      TORCH_CHECK(xs[i].sym_sizes() == xs[first[i]].sym_sizes() && xs[i].dtype() == xs[first[i]].dtype(),
+                  "fastmha: shared_inputs names ", i == 1 ? "key" : "value", " (", xs[i].sym_sizes(), ", ",
+                  xs[i].dtype(), ") as one tensor with ", first[i] == 0 ? "query" : "key", " (",
+                  xs[first[i]].sym_sizes(), ", ", xs[first[i]].dtype(), ")");
+      grad_x[i] = at::empty({0}, xs[i].options());
+      continue;
+    }
+    std::vector<at::Tensor> grads, weights;
+    for (size_t j = i; j < xs.size(); ++j) {
+      if (first[j] == i) {
+        grads.push_back(grad_y[j]);
+        weights.push_back(w[j]);
+      }
+    }
+    auto [grad, grad_ws] = projections_backward(grads, xs[i], weights, inputs);
+    grad_x[i] = grad;
+    for (size_t j = i, k = 0; j < xs.size(); ++j) {
+      if (first[j] == i) grad_w[j] = grad_ws[k++];
+    }
+  }
+  return {grad_x[0], grad_x[1], grad_x[2], grad_w[0], grad_w[1], grad_w[2], grad_w_o};
 }
 
 std::tuple<at::Tensor, at::Tensor> multi_head_attention_composite(const at::Tensor& query, const at::Tensor& key,
@@ -178,8 +205,9 @@ TORCH_LIBRARY_FRAGMENT(fastmha, m) {
       "Tensor value, Tensor w_q, Tensor w_k, Tensor w_v, Tensor w_o, Tensor query_proj, Tensor key_proj, "
       "Tensor value_proj, Tensor context, Tensor logsumexp, Tensor rng_state, int num_heads, Tensor? mask, "
       "float dropout_p, bool is_causal, Tensor? weights=None, Tensor? grad_query_proj=None, "
-      "Tensor? grad_key_proj=None, Tensor? grad_value_proj=None) -> (Tensor grad_query, Tensor grad_key, "
-      "Tensor grad_value, Tensor grad_w_q, Tensor grad_w_k, Tensor grad_w_v, Tensor grad_w_o)");
+      "Tensor? grad_key_proj=None, Tensor? grad_value_proj=None, int shared_inputs=0) -> "
+      "(Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_w_q, Tensor grad_w_k, Tensor grad_w_v, "
+      "Tensor grad_w_o)");
   // For the block's reuse of key and value projections kept from an earlier call (python/fastmha/modules.py).
   m.def("_unseen_keys_weigh_zero(Tensor logsumexp, int len_k) -> bool");
 }

@@ -54,19 +54,21 @@ bool all_finite(const T* row, int64_t stride, int64_t n) {
       row, stride, n, [](B a, B m) { return std::max(a, m); }, [](B a) { return a >= FloatBits<T>::kInfinity; });
 }
 
-// The rows r of g (n x d_out) whose products must run: g's row is not all zero, or x's row (n x d_in) is not all
-// finite. A nonzero row usually ends its scan at its first step, so dense gradients cost a step (64 elements) per
-// row.
+// The rows r whose products must run: a row of some g in `gs` (each n x d_out) is not all zero, or x's row
+// (n x d_in) is not all finite. A nonzero row usually ends its scan at its first step, so dense gradients cost a
+// step (64 elements) per row.
 template <typename T>
-std::vector<int64_t> rows_to_compute(const at::Tensor& g, const at::Tensor& x) {
-  const int64_t n = g.size(0), d_out = g.size(1), d_in = x.size(1);
-  const T* g_data = g.const_data_ptr<T>();
+std::vector<int64_t> rows_to_compute(const std::vector<at::Tensor>& gs, const at::Tensor& x) {
+  const int64_t n = x.size(0), d_in = x.size(1);
   const T* x_data = x.const_data_ptr<T>();
-  const int64_t g_row = g.stride(0), g_col = g.stride(1), x_row = x.stride(0), x_col = x.stride(1);
+  const int64_t x_row = x.stride(0), x_col = x.stride(1);
   std::vector<char> needed(n);
   at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      needed[r] = !(all_zero(g_data + r * g_row, g_col, d_out) && all_finite(x_data + r * x_row, x_col, d_in));
+      const bool zero = std::all_of(gs.begin(), gs.end(), [&](const at::Tensor& g) {
+        return all_zero(g.const_data_ptr<T>() + r * g.stride(0), g.stride(1), g.size(1));
+      });
+      needed[r] = !(zero && all_finite(x_data + r * x_row, x_col, d_in));
     }
   });
   std::vector<int64_t> indices;
@@ -76,53 +78,80 @@ std::vector<int64_t> rows_to_compute(const at::Tensor& g, const at::Tensor& x) {
   return indices;
 }
 
-// (g W, g^T x) for rows g (n x d_out) and x (n x d_in), x's rows from `x_rows()`, asked for after the first product
-// (its temporaries gone) so that no copy outlives its product; with `widen`, g widened once for both.
+// (sum_i g_i W_i, [g_i^T x]) for rows g_i (n x d_out) and x (n x d_in), x's rows from `x_rows()`, asked for after
+// the first product (its temporaries gone) so that no copy outlives the products. Later products add into the
+// first's result as they run (no pass of their own); with `widen`, each g_i widened once for both its products
+// and the sum kept in fp32 until the end.
 template <typename XRows>
-std::pair<at::Tensor, at::Tensor> row_products(const at::Tensor& g, XRows x_rows, const at::Tensor& weight,
-                                               bool widen) {
-  if (!widen) {
-    at::Tensor grad_x = at::matmul(g, weight);
-    return {grad_x, at::matmul(g.t(), x_rows())};
+std::pair<at::Tensor, std::vector<at::Tensor>> row_products(const std::vector<at::Tensor>& gs, XRows x_rows,
+                                                            const std::vector<at::Tensor>& weights, bool widen) {
+  const auto dtype = gs.front().scalar_type();
+  const auto wide = [&](const at::Tensor& t) { return widen ? t.to(at::kFloat) : t; };
+  at::Tensor grad_x, rows;
+  std::vector<at::Tensor> grad_ws;
+  for (size_t i = 0; i < gs.size(); ++i) {
+    const at::Tensor g = wide(gs[i]);
+    if (i == 0) {
+      grad_x = at::matmul(g, wide(weights[i]));
+      rows = wide(x_rows());
+    } else {
+      grad_x.addmm_(g, wide(weights[i]));
+    }
+    grad_ws.push_back(at::matmul(g.t(), rows).to(dtype));
   }
-  const auto dtype = g.scalar_type();
-  const at::Tensor wide_g = g.to(at::kFloat);
-  at::Tensor grad_x = at::matmul(wide_g, weight.to(at::kFloat)).to(dtype);
-  at::Tensor grad_w = at::matmul(wide_g.t(), x_rows().to(at::kFloat)).to(dtype);
-  return {grad_x, grad_w};
+  return {grad_x.to(dtype), grad_ws};
 }
 
 }  // namespace
 
-std::pair<at::Tensor, at::Tensor> projection_backward(const at::Tensor& grad_y, const at::Tensor& x,
-                                                      const at::Tensor& weight, WidenedInputs& inputs) {
-  const at::Tensor g = flatten_rows(grad_y), x_rows = flatten_rows(x);
-  const bool widen = widens_product_of(g, x) && widens_product_of(g, weight);
-  auto whole_products = [&]() -> std::pair<at::Tensor, at::Tensor> {
-    auto [grad_x, grad_w] = row_products(
-        g, [&] { return widen ? flatten_rows(inputs.get(x)) : x_rows; }, weight, widen);
-    return {grad_x.view_symint(x.sym_sizes()), grad_w};
+std::pair<at::Tensor, std::vector<at::Tensor>> projections_backward(const std::vector<at::Tensor>& grad_ys,
+                                                                    const at::Tensor& x,
+                                                                    const std::vector<at::Tensor>& weights,
+                                                                    WidenedInputs& inputs) {
+  TORCH_INTERNAL_ASSERT(!grad_ys.empty() && grad_ys.size() == weights.size());
+  std::vector<at::Tensor> gs;
+  for (const auto& grad_y : grad_ys) gs.push_back(flatten_rows(grad_y));
+  const at::Tensor x_rows = flatten_rows(x);
+  bool widen = true, readable = readable_on_cpu(x_rows), finite_weights = true;
+  for (size_t i = 0; i < gs.size(); ++i) {
+    widen = widen && widens_product_of(gs[i], x) && widens_product_of(gs[i], weights[i]);
+    readable = readable && readable_on_cpu(gs[i]) && readable_on_cpu(weights[i]) &&
+               gs[i].scalar_type() == x_rows.scalar_type();
+  }
+  auto whole_products = [&]() -> std::pair<at::Tensor, std::vector<at::Tensor>> {
+    auto [grad_x, grad_ws] = row_products(
+        gs, [&] { return widen ? flatten_rows(inputs.get(x)) : x_rows; }, weights, widen);
+    return {grad_x.view_symint(x.sym_sizes()), grad_ws};
   };
-  if (!readable_on_cpu(g) || !readable_on_cpu(x_rows) || !readable_on_cpu(weight) ||
-      g.scalar_type() != x_rows.scalar_type()) {
+  if (!readable) {
     return whole_products();
   }
   std::vector<int64_t> needed;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "projection_backward",
-                                  [&] { needed = rows_to_compute<scalar_t>(g, x_rows); });
-  const int64_t n = g.size(0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x_rows.scalar_type(), "projection_backward",
+                                  [&] { needed = rows_to_compute<scalar_t>(gs, x_rows); });
+  const int64_t n = x_rows.size(0);
   // Gathering the rows costs a pass over them; with few zero rows the whole products are faster. A zero row of
   // dy times an infinite or NaN weight is NaN in the math: the whole product gives it.
-  if (static_cast<int64_t>(needed.size()) * 4 > n * 3 || !at::isfinite(weight).all().item<bool>()) {
+  for (const auto& weight : weights) {
+    finite_weights = finite_weights && at::isfinite(weight).all().item<bool>();
+  }
+  if (static_cast<int64_t>(needed.size()) * 4 > n * 3 || !finite_weights) {
     return whole_products();
   }
   const at::Tensor index = at::tensor(needed, at::TensorOptions().dtype(at::kLong));
-  const at::Tensor g_needed = g.index_select(0, index);
-  at::Tensor grad_x = at::zeros({n, weight.size(1)}, x.options());
-  auto [grad_x_needed, grad_w] = row_products(
-      g_needed, [&] { return x_rows.index_select(0, index); }, weight, widen);
+  std::vector<at::Tensor> gs_needed;
+  for (const auto& g : gs) gs_needed.push_back(g.index_select(0, index));
+  at::Tensor grad_x = at::zeros({n, weights.front().size(1)}, x.options());
+  auto [grad_x_needed, grad_ws] = row_products(
+      gs_needed, [&] { return x_rows.index_select(0, index); }, weights, widen);
   grad_x.index_copy_(0, index, grad_x_needed);
-  return {grad_x.view(x.sizes()), grad_w};
+  return {grad_x.view(x.sizes()), grad_ws};
+}
+
+std::pair<at::Tensor, at::Tensor> projection_backward(const at::Tensor& grad_y, const at::Tensor& x,
+                                                      const at::Tensor& weight, WidenedInputs& inputs) {
+  auto [grad_x, grad_ws] = projections_backward({grad_y}, x, {weight}, inputs);
+  return {grad_x, grad_ws.front()};
 }
 
 std::pair<at::Tensor, at::Tensor> projection_backward(const at::Tensor& grad_y, const at::Tensor& x,

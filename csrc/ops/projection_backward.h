@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <utility>
+#include <vector>
 
 #include "ops/widened_products.h"
 
@@ -25,5 +26,12 @@ std::pair<at::Tensor, at::Tensor> projection_backward(const at::Tensor& grad_y, 
 // The same for an x that no other product of the call takes.
 std::pair<at::Tensor, at::Tensor> projection_backward(const at::Tensor& grad_y, const at::Tensor& x,
                                                       const at::Tensor& weight);
+// The gradients of projections y_i = x W_i^T of one x (self-attention's query, key and value): the sum of their
+// d(x)s, added up by the products themselves as they run (no pass of its own, in fp32 where they are widened), and
+// each dW_i. Rows are skipped as above where every dy_i's row is zero.
+std::pair<at::Tensor, std::vector<at::Tensor>> projections_backward(const std::vector<at::Tensor>& grad_ys,
+                                                                    const at::Tensor& x,
+                                                                    const std::vector<at::Tensor>& weights,
+                                                                    WidenedInputs& inputs);
 
 }  // namespace fastmha

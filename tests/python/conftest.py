@@ -6,11 +6,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# torch's Inductor cache is not keyed by ATEN_CPU_CAPABILITY: vector code compiled under one capability fails to
-# compile when a run under another reuses it. Runs that set the capability get a cache of their own.
-if "ATEN_CPU_CAPABILITY" in os.environ and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
-        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{os.environ['ATEN_CPU_CAPABILITY']}")
+# Each run compiles into a cache of its own. torch's compile caches key a compiled backward by the traced forward
+# graph, which names fastmha's public op only: a build whose backward op changed would run graphs compiled for the
+# previous one. Nor are they keyed by ATEN_CPU_CAPABILITY: vector code compiled under one capability fails to
+# compile when a run under another reuses it.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    _COMPILE_CACHE = tempfile.TemporaryDirectory(prefix=f"torchinductor_{getpass.getuser()}_")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _COMPILE_CACHE.name
 
 import fastmha  # noqa: F401  (loads the ops)
 

@@ -88,6 +88,11 @@ def test_opcheck_internal_block_ops(device, mask_kind, is_causal):
         OPS._multi_head_attention_backward.default,
         (torch.randn_like(out), None, x, kv, kv, *ws, qp, kp, vp, ctx, lse, rng_state, 2, mask, 0.0, is_causal, None,
          torch.randn_like(qp), None, torch.randn_like(vp)))
+    # Key and value one tensor (shared_inputs 4): their gradients summed into the key's, the value's empty.
+    torch.library.opcheck(
+        OPS._multi_head_attention_backward.default,
+        (torch.randn_like(out), None, x, kv, kv, *ws, qp, kp, vp, ctx, lse, rng_state, 2, mask, 0.0, is_causal, None,
+         None, None, None, 4))
 
 
 @pytest.mark.parametrize("with_cache", [False, True])

@@ -18,14 +18,33 @@
 namespace fastmha {
 namespace {
 
+// Gradients of inputs that were one tensor (`shared`, shared_inputs_of), added into the first one's: the others
+// have no edge of their own.
+void fold_shared_gradients(torch::autograd::variable_list& grads, int64_t shared) {
+  const auto first = detail::first_of_shared(shared);
+  for (size_t i = first.size(); i-- > 1;) {
+    if (first[i] == i) continue;
+    if (grads[i].defined()) {
+      grads[first[i]] = grads[first[i]].defined() ? grads[first[i]] + grads[i] : grads[i];
+    }
+    grads[i] = at::Tensor();
+  }
+}
+
 class MultiHeadAttentionFunction : public torch::autograd::Function<MultiHeadAttentionFunction> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& query,
-                                                const at::Tensor& key, const at::Tensor& value, const at::Tensor& w_q,
+                                                const std::optional<at::Tensor>& key_input,
+                                                const std::optional<at::Tensor>& value_input, const at::Tensor& w_q,
                                                 const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o,
                                                 int64_t num_heads, const std::optional<at::Tensor>& user_mask,
-                                                double dropout_p, bool need_weights, bool is_causal) {
+                                                double dropout_p, bool need_weights, bool is_causal, int64_t shared) {
     at::AutoDispatchBelowADInplaceOrView guard;
+    // A key or value that is an earlier input (`shared`) comes as nullopt: one tensor has one edge, which its summed
+    // gradient takes.
+    const auto first = detail::first_of_shared(shared);
+    const at::Tensor& key = first[1] == 0 ? query : *key_input;
+    const at::Tensor& value = first[2] == 0 ? query : first[2] == 1 ? key : *value_input;
     // The forward and the backward read the same mask: a small one is converted to bool once, for both.
     const std::optional<at::Tensor> mask = mask_to_save(user_mask, query);
     auto [output, weights, query_proj, key_proj, value_proj, context, logsumexp, rng_state] =
@@ -43,6 +62,7 @@ class MultiHeadAttentionFunction : public torch::autograd::Function<MultiHeadAtt
     ctx->saved_data["num_heads"] = num_heads;
     ctx->saved_data["dropout_p"] = dropout_p;
     ctx->saved_data["is_causal"] = is_causal;
+    ctx->saved_data["shared_inputs"] = shared;
     // Kept weights that the loss never reads get no gradient: no (batch, h, Lq, Lk) tensor of zeros is made,
     // filled and read back in the backward.
     ctx->set_materialize_grads(false);
@@ -65,21 +85,28 @@ class MultiHeadAttentionFunction : public torch::autograd::Function<MultiHeadAtt
     const auto &grad_output = grads[0], &grad_weights = grads[4];
     const auto &grad_query_proj = grads[1], &grad_key_proj = grads[2], &grad_value_proj = grads[3];
     const auto s = ctx->get_saved_variables();
+    const int64_t shared = ctx->saved_data["shared_inputs"].toInt();
     const auto mask = detail::optional_if_defined(s[13]);
     // With create_graph=True: gradients that can be differentiated again. Also where a second-order gradient
     // reaches the projections alone: their products' gradients, no attention backward.
     if (at::GradMode::is_enabled() || (!grad_output.defined() && !grad_weights.defined())) {
+      // needs_input_grad counts the tensors the Function took: a key or value that repeats an input is not one.
+      const auto first = detail::first_of_shared(shared);
       std::array<bool, 7> asked{};
-      for (size_t i = 0; i < asked.size(); ++i) {
-        asked[i] = ctx->needs_input_grad(i);
+      for (size_t i = 0, edge = 0; i < asked.size(); ++i) {
+        asked[i] = i < first.size() && first[i] != i ? asked[first[i]] : ctx->needs_input_grad(edge++);
       }
       auto g = detail::block_grads_with_graph(
           {s[0], s[1], s[2], s[3], s[4], s[5], s[6]}, {s[7], s[8], s[9]},
           {grad_query_proj, grad_key_proj, grad_value_proj}, asked, ctx->saved_data["num_heads"].toInt(), mask, s[12],
           ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["is_causal"].toBool(), grad_output, grad_weights);
-      g.resize(12);  // num_heads, mask, dropout_p, need_weights, is_causal: no gradient
+      g.resize(13);  // num_heads, mask, dropout_p, need_weights, is_causal, shared: no gradient
+      fold_shared_gradients(g, shared);
       return g;
     }
+    // The op sums the gradients of inputs that were one tensor in its products; a value whose gradient is dropped
+    // below is not added in.
+    const bool value_without_gradient = !grad_output.defined() && !grad_value_proj.defined();
     // The output has the merged context's shape and dtype (w_o is d_model x d_model).
     auto [grad_query, grad_key, grad_value, grad_w_q, grad_w_k, grad_w_v, grad_w_o] =
         detail::multi_head_attention_backward(
@@ -88,7 +115,8 @@ class MultiHeadAttentionFunction : public torch::autograd::Function<MultiHeadAtt
             ctx->saved_data["num_heads"].toInt(), mask, ctx->saved_data["dropout_p"].toDouble(),
             ctx->saved_data["is_causal"].toBool(), detail::optional_if_defined(s[14]),
             detail::optional_if_defined(grad_query_proj), detail::optional_if_defined(grad_key_proj),
-            detail::optional_if_defined(grad_value_proj));
+            detail::optional_if_defined(grad_value_proj),
+            value_without_gradient ? shared & detail::kKeyIsQuery : shared);
     if (!grad_output.defined()) {
       // Only the kept weights reach the loss: w_o, and the value and w_v unless their projection has a gradient of
       // its own, get no gradient (None, as in the textbook block), not zeros that an optimizer's decay and
@@ -98,8 +126,14 @@ class MultiHeadAttentionFunction : public torch::autograd::Function<MultiHeadAtt
         grad_value = grad_w_v = at::Tensor();
       }
     }
-    return {grad_query, grad_key,     grad_value,   grad_w_q,     grad_w_k,     grad_w_v,
-            grad_w_o,   at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    torch::autograd::variable_list grads_out = {grad_query, grad_key, grad_value, grad_w_q,
+                                                grad_w_k,   grad_w_v, grad_w_o};
+    const auto first = detail::first_of_shared(shared);
+    for (size_t i = 1; i < 3; ++i) {
+      if (first[i] != i) grads_out[i] = at::Tensor();  // summed into its first input's by the op, or dropped above
+    }
+    grads_out.resize(13);  // num_heads, mask, dropout_p, need_weights, is_causal, shared: no gradient
+    return grads_out;
   }
 };
 
@@ -115,8 +149,14 @@ std::tuple<at::Tensor, at::Tensor> multi_head_attention_autograd(const at::Tenso
     return detail::block_with_tangents(query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p, need_weights,
                                        is_causal);
   }
-  auto outputs = MultiHeadAttentionFunction::apply(query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p,
-                                                   need_weights, is_causal);
+  // One tensor passed as several inputs (self-attention's x, cross-attention's memory) is one input of the Function:
+  // its backward sums the tensor's gradients in its products instead of returning several for autograd to add.
+  const int64_t shared = detail::shared_inputs_of(query, key, value);
+  const auto first = detail::first_of_shared(shared);
+  auto outputs =
+      MultiHeadAttentionFunction::apply(query, first[1] == 1 ? std::optional<at::Tensor>(key) : std::nullopt,
+                                        first[2] == 2 ? std::optional<at::Tensor>(value) : std::nullopt, w_q, w_k, w_v,
+                                        w_o, num_heads, mask, dropout_p, need_weights, is_causal, shared);
   return {outputs[0], need_weights ? outputs[4] : at::empty({0}, query.options())};
 }
 
