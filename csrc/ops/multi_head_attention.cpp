@@ -129,6 +129,19 @@ detail::MultiHeadAttentionBackwardResult multi_head_attention_backward_kernel(
     const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal, const std::optional<at::Tensor>& weights,
     const std::optional<at::Tensor>& grad_query_proj, const std::optional<at::Tensor>& grad_key_proj,
     const std::optional<at::Tensor>& grad_value_proj, int64_t shared_inputs) {
+  TORCH_CHECK(shared_inputs >= 0 && shared_inputs <= 7,
+              "fastmha: shared_inputs must be a sum of the bits 1, 2 and 4 (0 to 7), got ", shared_inputs);
+  const std::array<at::Tensor, 3> xs = {query, key, value};
+  const auto first = detail::first_of_shared(shared_inputs);
+  for (size_t i = 1; i < xs.size(); ++i) {
+    const auto& x = xs[i];
+    const auto& shared = xs[first[i]];
+    TORCH_CHECK(first[i] == i || (x.sym_sizes() == shared.sym_sizes() && x.dtype() == shared.dtype() &&
+                                  x.device() == shared.device()),
+                "fastmha: shared_inputs names ", i == 1 ? "key" : "value", " (", x.sym_sizes(), ", ", x.dtype(), ", ",
+                x.device(), ") as one tensor with ", first[i] == 0 ? "query" : "key", " (", shared.sym_sizes(), ", ",
+                shared.dtype(), ", ", shared.device(), ")");
+  }
   // output = context @ w_o^T
   auto [grad_context, grad_w_o] = projection_backward(grad_output, context, w_o);
   auto [grad_q_heads, grad_k_heads, grad_v_heads] =
@@ -140,30 +153,25 @@ detail::MultiHeadAttentionBackwardResult multi_head_attention_backward_kernel(
   const auto grad_proj = [&](const at::Tensor& heads, const std::optional<at::Tensor>& other) {
     return other.has_value() ? merge_heads(heads) + *other : merge_heads(heads);
   };
-  const std::array<at::Tensor, 3> xs = {query, key, value}, w = {w_q, w_k, w_v};
+  const std::array<at::Tensor, 3> w = {w_q, w_k, w_v};
   const std::array<at::Tensor, 3> grad_y = {grad_proj(grad_q_heads, grad_query_proj),
                                             grad_proj(grad_k_heads, grad_key_proj),
                                             grad_proj(grad_v_heads, grad_value_proj)};
-  const auto first = detail::first_of_shared(shared_inputs);
   std::array<at::Tensor, 3> grad_x, grad_w;
   WidenedInputs inputs({query, key, value});
   for (size_t i = 0; i < xs.size(); ++i) {
     if (first[i] != i) {
-      TORCH_CHECK(xs[i].sym_sizes() == xs[first[i]].sym_sizes() && xs[i].dtype() == xs[first[i]].dtype(),
-                  "fastmha: shared_inputs names ", i == 1 ? "key" : "value", " (", xs[i].sym_sizes(), ", ",
-                  xs[i].dtype(), ") as one tensor with ", first[i] == 0 ? "query" : "key", " (",
-                  xs[first[i]].sym_sizes(), ", ", xs[first[i]].dtype(), ")");
-      grad_x[i] = at::empty({0}, xs[i].options());
+      grad_x[i] = at::empty({0}, xs[i].options());  // summed into its first input's
       continue;
     }
-    std::vector<at::Tensor> grads, weights;
+    std::vector<at::Tensor> grads, projection_weights;
     for (size_t j = i; j < xs.size(); ++j) {
       if (first[j] == i) {
         grads.push_back(grad_y[j]);
-        weights.push_back(w[j]);
+        projection_weights.push_back(w[j]);
       }
     }
-    auto [grad, grad_ws] = projections_backward(grads, xs[i], weights, inputs);
+    auto [grad, grad_ws] = projections_backward(grads, xs[i], projection_weights, inputs);
     grad_x[i] = grad;
     for (size_t j = i, k = 0; j < xs.size(); ++j) {
       if (first[j] == i) grad_w[j] = grad_ws[k++];

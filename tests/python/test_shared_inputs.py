@@ -33,11 +33,20 @@ def block_and_oracle(dtype, device):
     return block, oracle
 
 
+def edges_to(out, leaf):
+    """How many of the autograd edges of out's node lead to `leaf`."""
+    return sum(1 for node, _ in out.grad_fn.next_functions if node is not None and getattr(node, "variable", None) is leaf)
+
+
 def gradients(block, tensors, sharing, mask, loss_weights):
     """The leaves' gradients (None for one the block did not take) and the four weights'."""
     leaves = [t.detach().clone().requires_grad_(True) for t in tensors]
     out = block(*(leaves[i] for i in sharing), mask)
-    out = out[0] if isinstance(out, tuple) else out
+    if isinstance(out, tuple):  # the oracle
+        out = out[0]
+    else:  # a tensor the block takes several times is one input of its node, which sums its gradients
+        for i, leaf in enumerate(leaves):
+            assert edges_to(out, leaf) == (1 if i in sharing else 0)
     (out * loss_weights).sum().backward()
     return [leaf.grad for leaf in leaves] + [getattr(block, n).weight.grad for n in ("w_q", "w_k", "w_v", "w_o")]
 
@@ -62,8 +71,10 @@ def test_gradients_of_a_shared_input_match_the_oracle(device, dtype, sharing, ma
     want = gradients(oracle, [t.double() for t in tensors], SHARINGS[sharing], mask, loss_weights.double())
     assert_match(got, want, dtype)
     if masked:  # padded positions get no gradient, whichever inputs they were
-        for b, kept in enumerate(KEPT):
-            assert (got[0][b, kept:] == 0).all()
+        for grad in got[:2]:
+            if grad is not None:
+                for b, kept in enumerate(KEPT):
+                    assert (grad[b, kept:] == 0).all()
 
 
 @pytest.mark.parametrize("sharing", list(SHARINGS))
@@ -80,6 +91,7 @@ def test_gradcheck_of_a_shared_input(device, sharing):
                                                       0.0, True, False)
 
     assert torch.autograd.gradcheck(block, (*tensors, *weights))
+    assert torch.autograd.gradgradcheck(block, (*tensors, *weights))
 
 
 def test_saved_tensors_unpacked_as_copies_give_the_same_gradients(device):
@@ -108,4 +120,27 @@ def test_a_loss_on_the_weights_alone_with_one_input(device):
     oracle(oracle_leaf, oracle_leaf, oracle_leaf)[1].backward(grad)
     torch.testing.assert_close(leaf.grad, oracle_leaf.grad, **TOLERANCES[torch.float64])
     assert block.w_v.weight.grad is None and block.w_o.weight.grad is None
-    torch.testing.assert_close(block.w_q.weight.grad, oracle.w_q.weight.grad, **TOLERANCES[torch.float64])
+    for name in ("w_q", "w_k"):
+        torch.testing.assert_close(getattr(block, name).weight.grad, getattr(oracle, name).weight.grad,
+                                   **TOLERANCES[torch.float64])
+
+
+@pytest.mark.parametrize("sharing", list(SHARINGS))
+def test_autocast_casts_a_shared_input_once(device, sharing):
+    # Under autocast the block casts one float32 tensor passed several times once: its node has one edge to that
+    # cast, and the input gets the oracle's gradient.
+    torch.manual_seed(15)
+    block, oracle = block_and_oracle(torch.float32, device)
+    tensors, mask, loss_weights = padded_case(torch.float32, device)
+    leaves = [t.clone().requires_grad_(True) for t in tensors]
+    with torch.autocast(device, dtype=torch.bfloat16):
+        out = block(*(leaves[i] for i in SHARINGS[sharing]), mask)
+    assert out.dtype == torch.bfloat16
+    casts = [node for node, _ in out.grad_fn.next_functions if node is not None and "ToCopy" in node.name()]
+    assert len(casts) == len(set(SHARINGS[sharing])) + 4  # one per tensor and weight, not per input
+    (out.float() * loss_weights).sum().backward()
+    want = gradients(oracle, [t.double() for t in tensors], SHARINGS[sharing], mask, loss_weights.double())
+    for leaf, expected in zip(leaves, want[:2]):
+        assert (leaf.grad is None) == (expected is None)
+        if expected is not None:
+            torch.testing.assert_close(leaf.grad.double(), expected, **TOLERANCES[torch.bfloat16])

@@ -9,14 +9,26 @@
 namespace fastmha {
 namespace {
 
+// query, key and value in `dtype`, one copy of a tensor passed as several of them: self-attention's x stays one
+// tensor (one cast, and one autograd input of the block, whose backward sums its gradients).
+template <c10::DeviceType device>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_inputs(at::ScalarType dtype, const at::Tensor& query,
+                                                           const at::Tensor& key, const at::Tensor& value) {
+  auto cast = [&](const at::Tensor& t) { return at::autocast::cached_cast(dtype, t, device); };
+  const at::Tensor q = cast(query);
+  const at::Tensor k = key.is_same(query) ? q : cast(key);
+  const at::Tensor v = value.is_same(query) ? q : value.is_same(key) ? k : cast(value);
+  return {q, k, v};
+}
+
 template <c10::DeviceType device, c10::DispatchKey key>
 std::tuple<at::Tensor, at::Tensor> attention_autocast(const at::Tensor& query, const at::Tensor& key_,
                                                       const at::Tensor& value, const std::optional<at::Tensor>& mask,
                                                       double dropout_p, bool need_weights, bool is_causal) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(key);
   const auto dtype = at::autocast::get_autocast_dtype(device);
-  auto cast = [&](const at::Tensor& t) { return at::autocast::cached_cast(dtype, t, device); };
-  return attention(cast(query), cast(key_), cast(value), mask, dropout_p, need_weights, is_causal);
+  const auto [q, k, v] = cast_inputs<device>(dtype, query, key_, value);
+  return attention(q, k, v, mask, dropout_p, need_weights, is_causal);
 }
 
 template <c10::DeviceType device, c10::DispatchKey key>
@@ -29,8 +41,9 @@ std::tuple<at::Tensor, at::Tensor> multi_head_attention_autocast(const at::Tenso
   c10::impl::ExcludeDispatchKeyGuard no_autocast(key);
   const auto dtype = at::autocast::get_autocast_dtype(device);
   auto cast = [&](const at::Tensor& t) { return at::autocast::cached_cast(dtype, t, device); };
-  return multi_head_attention(cast(query), cast(key_), cast(value), cast(w_q), cast(w_k), cast(w_v), cast(w_o),
-                              num_heads, mask, dropout_p, need_weights, is_causal);
+  const auto [q, k, v] = cast_inputs<device>(dtype, query, key_, value);
+  return multi_head_attention(q, k, v, cast(w_q), cast(w_k), cast(w_v), cast(w_o), num_heads, mask, dropout_p,
+                              need_weights, is_causal);
 }
 
 }  // namespace

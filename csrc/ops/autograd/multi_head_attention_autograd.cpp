@@ -57,8 +57,10 @@ class MultiHeadAttentionFunction : public torch::autograd::Function<MultiHeadAtt
       return weights_serve_backward({q, k, v, mask, dropout_p, need_weights, is_causal});
     };
     const bool save_weights = need_weights && weights.defined() && weights_serve();
-    ctx->save_for_backward({query, key, value, w_q, w_k, w_v, w_o, query_proj, key_proj, value_proj, context, logsumexp,
-                            rng_state, mask.value_or(at::Tensor()), save_weights ? weights : at::Tensor()});
+    // A tensor passed as several inputs is saved once (saved-tensor hooks pack it once).
+    ctx->save_for_backward({query, first[1] == 1 ? key : at::Tensor(), first[2] == 2 ? value : at::Tensor(), w_q, w_k,
+                            w_v, w_o, query_proj, key_proj, value_proj, context, logsumexp, rng_state,
+                            mask.value_or(at::Tensor()), save_weights ? weights : at::Tensor()});
     ctx->saved_data["num_heads"] = num_heads;
     ctx->saved_data["dropout_p"] = dropout_p;
     ctx->saved_data["is_causal"] = is_causal;
@@ -84,14 +86,16 @@ class MultiHeadAttentionFunction : public torch::autograd::Function<MultiHeadAtt
     grads.resize(5);  // (output, query_proj, key_proj, value_proj, weights); no weights output without kept weights
     const auto &grad_output = grads[0], &grad_weights = grads[4];
     const auto &grad_query_proj = grads[1], &grad_key_proj = grads[2], &grad_value_proj = grads[3];
-    const auto s = ctx->get_saved_variables();
+    auto s = ctx->get_saved_variables();
     const int64_t shared = ctx->saved_data["shared_inputs"].toInt();
+    const auto first = detail::first_of_shared(shared);
+    s[1] = s[first[1]];  // the inputs saved once
+    s[2] = s[first[2]];
     const auto mask = detail::optional_if_defined(s[13]);
     // With create_graph=True: gradients that can be differentiated again. Also where a second-order gradient
     // reaches the projections alone: their products' gradients, no attention backward.
     if (at::GradMode::is_enabled() || (!grad_output.defined() && !grad_weights.defined())) {
       // needs_input_grad counts the tensors the Function took: a key or value that repeats an input is not one.
-      const auto first = detail::first_of_shared(shared);
       std::array<bool, 7> asked{};
       for (size_t i = 0, edge = 0; i < asked.size(); ++i) {
         asked[i] = i < first.size() && first[i] != i ? asked[first[i]] : ctx->needs_input_grad(edge++);
@@ -128,7 +132,6 @@ class MultiHeadAttentionFunction : public torch::autograd::Function<MultiHeadAtt
     }
     torch::autograd::variable_list grads_out = {grad_query, grad_key, grad_value, grad_w_q,
                                                 grad_w_k,   grad_w_v, grad_w_o};
-    const auto first = detail::first_of_shared(shared);
     for (size_t i = 1; i < 3; ++i) {
       if (first[i] != i) grads_out[i] = at::Tensor();  // summed into its first input's by the op, or dropped above
     }
