@@ -62,12 +62,18 @@ std::vector<int64_t> rows_to_compute(const std::vector<at::Tensor>& gs, const at
   const int64_t n = x.size(0), d_in = x.size(1);
   const T* x_data = x.const_data_ptr<T>();
   const int64_t x_row = x.stride(0), x_col = x.stride(1);
+  // Each g's pointer and strides read once, not per row inside the loop.
+  struct Rows {
+    const T* data;
+    int64_t row, col, d_out;
+  };
+  std::vector<Rows> g_rows;
+  for (const auto& g : gs) g_rows.push_back({g.const_data_ptr<T>(), g.stride(0), g.stride(1), g.size(1)});
   std::vector<char> needed(n);
   at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const bool zero = std::all_of(gs.begin(), gs.end(), [&](const at::Tensor& g) {
-        return all_zero(g.const_data_ptr<T>() + r * g.stride(0), g.stride(1), g.size(1));
-      });
+      const bool zero = std::all_of(g_rows.begin(), g_rows.end(),
+                                    [&](const Rows& g) { return all_zero(g.data + r * g.row, g.col, g.d_out); });
       needed[r] = !(zero && all_finite(x_data + r * x_row, x_col, d_in));
     }
   });

@@ -6,6 +6,10 @@
 
 #include <fastmha/ops.h>
 
+#include <array>
+
+#include "ops/attention_ops.h"
+
 namespace fastmha {
 namespace {
 
@@ -14,11 +18,13 @@ namespace {
 template <c10::DeviceType device>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_inputs(at::ScalarType dtype, const at::Tensor& query,
                                                            const at::Tensor& key, const at::Tensor& value) {
-  auto cast = [&](const at::Tensor& t) { return at::autocast::cached_cast(dtype, t, device); };
-  const at::Tensor q = cast(query);
-  const at::Tensor k = key.is_same(query) ? q : cast(key);
-  const at::Tensor v = value.is_same(query) ? q : value.is_same(key) ? k : cast(value);
-  return {q, k, v};
+  const std::array<const at::Tensor*, 3> inputs{&query, &key, &value};
+  const auto first = detail::first_of_shared(detail::shared_inputs_of(query, key, value));
+  std::array<at::Tensor, 3> cast;
+  for (size_t i = 0; i < 3; ++i) {
+    cast[i] = first[i] == i ? at::autocast::cached_cast(dtype, *inputs[i], device) : cast[first[i]];
+  }
+  return {cast[0], cast[1], cast[2]};
 }
 
 template <c10::DeviceType device, c10::DispatchKey key>
