@@ -274,7 +274,7 @@ def test_auto_multiplies_natively_from_enough_rows_and_keys_a_row_computes(monke
     # The default: native products where the CPU has them once a head has 256 query rows or more and they
     # multiply 256 keys or more (the keys a padding mask leaves), widened below (and on every other CPU). Where the
     # products run on AMX tiles, a forward without kept weights multiplies natively at any key count and a
-    # backward from 96 keys; the forward also from 128 query rows in chunks of 128 or more: with these 4 heads on 2
+    # backward from 20 keys; the forward also from 128 query rows in chunks of 128 or more: with these 4 heads on 2
     # threads 255 rows make chunks of 128, 193 rows 128 + 65 (the last computed as 80 rows), 128 rows chunks of 64
     # (see also test_kernel_choice.py); the backward from 128 query rows.
     native = native_products(dtype)
@@ -283,14 +283,15 @@ def test_auto_multiplies_natively_from_enough_rows_and_keys_a_row_computes(monke
     few_rows_forward = "native" if tiles else "widen"
     few_keys_backward = "native" if tiles else "widen"
     few_rows_backward = "native" if tiles else "widen"
-    fewest_backward_keys = 96 if tiles else 256
+    fewest_backward_keys = 20 if tiles else 256
     monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
     cases = ((256, 255, None, few_keys_forward, few_keys_backward, "keys"), (256, 256, None, "native", "native", ""),
              (255, 600, None, few_rows_forward, few_rows_backward, "rows"),
              (193, 600, None, few_rows_forward, few_rows_backward, "rows"),
              (128, 600, None, "widen", few_rows_backward, "rows"), (127, 600, None, "widen", "widen", "rows"),
              (256, 600, 100, few_keys_forward, few_keys_backward, "keys"),
-             (256, 600, 95, few_keys_forward, "widen", "keys"), (256, 600, 400, "native", "native", ""))
+             (256, 600, 20, few_keys_forward, few_keys_backward, "keys"),
+             (256, 600, 19, few_keys_forward, "widen", "keys"), (256, 600, 400, "native", "native", ""))
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # the chunks of the rows follow the thread count
     try:

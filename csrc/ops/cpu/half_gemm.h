@@ -61,10 +61,11 @@ HalfGemmMode half_gemm_mode();
 // 0.48-0.67x the widened one's time from 256 to 4096 keys but 1.2-1.3x at 128 keys, where its packing and
 // kernel calls weigh more than the products; so did a padded batch of 350 keys with 10-25% of them visible.
 constexpr int64_t kNativeFromKeys = 256;
-// The same for a backward where the products run on AMX tiles: on an Intel Xeon with AMX-BF16 the native padded
-// bfloat16 forward + backward took 0.85-0.91x the widened backward's time at 90-180 keys a row, about the same at
-// 63-90 and 1.05-1.08x at 61.
-constexpr int64_t kNativeBackwardOnTilesFromKeys = 96;
+// The same for a backward where the products run on AMX tiles: on an Intel Xeon with AMX-BF16 (family 6, model 167
+// as reported) the native backward of a padded bfloat16 batch (8 x 350 and 4 x 1024 keys, 8 heads) took 0.74-0.94x
+// the widened one's time at 20-84 keys a row with d_k 64 (0.73-0.86x with d_k 128), about the same at 21 and
+// 1.05-1.10x at 10-17 (d_k 128 even at 14).
+constexpr int64_t kNativeBackwardOnTilesFromKeys = 20;
 // The fewest query rows per head at which `auto` multiplies natively: with fewer (decoding steps, short query
 // blocks) the native forward over 1024-4096 keys took 9-10x the widened one's time on Zen 4 at 1 row, 2.6-2.7x at
 // 32 and 1.25-1.37x at 128 rows; 0.91-1.01x at 256 rows (forward + backward 0.72-0.81x).
