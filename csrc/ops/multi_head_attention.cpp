@@ -83,8 +83,7 @@ detail::MultiHeadAttentionForwardResult multi_head_attention_forward_kernel(
   // Keys that no query sees are projected only when the attention turns out to give them some weight.
   std::optional<detail::AttentionForwardResult> core;
   if (const auto rows = split_key_rows(mask, key, value, is_causal);
-      rows.has_value() && projection_surely_finite(key, w_k, rows->unseen) &&
-      projection_surely_finite(value, w_v, rows->unseen)) {
+      rows.has_value() && projections_surely_finite(key, w_k, value, w_v, rows->unseen)) {
     query_proj = widened_linear(query, w_q);
     // A second run draws the same dropout as the first: the CPU generator is put back as it was.
     at::Generator generator = at::detail::getDefaultCPUGenerator();

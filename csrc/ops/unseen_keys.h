@@ -37,10 +37,11 @@ at::Tensor project_rows(const at::Tensor& x, const at::Tensor& weight, const at:
 // Writes x W^T on the given rows of x into those rows of `out` (batch, L, d_out).
 void project_rows_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& rows);
 
-// Whether x W^T is surely finite on the given rows: x there and W are finite, and the largest |x| times W's
-// largest row sum of |w| stays below half the dtype's largest value. False where x and W differ in dtype. `rows`
-// must index rows of x (batch * L of them).
-bool projection_surely_finite(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& rows);
+// Whether key W_k^T and value W_v^T are surely finite on the given rows: x there and W are finite, and the largest
+// |x| times W's largest row sum of |w| stays below half the dtype's largest value (for each of the two products).
+// False where an input and its weight differ in dtype. `rows` must index rows of key and value (batch * L of them).
+bool projections_surely_finite(const at::Tensor& key, const at::Tensor& w_k, const at::Tensor& value,
+                               const at::Tensor& w_v, const at::Tensor& rows);
 
 // Whether every row's log-sum-exp (the attention core's, for keys of length len_k) leaves a key scored -1e9 a
 // weight of exactly 0: its exponential underflows even against the row's largest score, which is at least the
