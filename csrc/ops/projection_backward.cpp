@@ -54,6 +54,19 @@ bool all_finite(const T* row, int64_t stride, int64_t n) {
       row, stride, n, [](B a, B m) { return std::max(a, m); }, [](B a) { return a >= FloatBits<T>::kInfinity; });
 }
 
+// Whether every element of the 2-d `t` is finite, a row at a time (ATen's isfinite(t).all() makes three temporaries
+// of t's size).
+bool all_rows_finite(const at::Tensor& t) {
+  bool finite = true;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), "all_rows_finite", [&] {
+    const scalar_t* data = t.const_data_ptr<scalar_t>();
+    for (int64_t r = 0; r < t.size(0) && finite; ++r) {
+      finite = all_finite(data + r * t.stride(0), t.stride(1), t.size(1));
+    }
+  });
+  return finite;
+}
+
 // The rows r whose products must run: a row of some g in `gs` (each n x d_out) is not all zero, or x's row
 // (n x d_in) is not all finite. A nonzero row usually ends its scan at its first step, so dense gradients cost a
 // step (64 elements) per row.
@@ -136,12 +149,15 @@ std::pair<at::Tensor, std::vector<at::Tensor>> projections_backward(const std::v
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x_rows.scalar_type(), "projection_backward",
                                   [&] { needed = rows_to_compute<scalar_t>(gs, x_rows); });
   const int64_t n = x_rows.size(0);
-  // Gathering the rows costs a pass over them; with few zero rows the whole products are faster. A zero row of
-  // dy times an infinite or NaN weight is NaN in the math: the whole product gives it.
-  for (const auto& weight : weights) {
-    finite_weights = finite_weights && at::isfinite(weight).all().item<bool>();
+  // Gathering the rows costs a pass over them; with few zero rows the whole products are faster.
+  if (static_cast<int64_t>(needed.size()) * 4 > n * 3) {
+    return whole_products();
   }
-  if (static_cast<int64_t>(needed.size()) * 4 > n * 3 || !finite_weights) {
+  // A zero row of dy times an infinite or NaN weight is NaN in the math: the whole product gives it.
+  for (const auto& weight : weights) {
+    finite_weights = finite_weights && all_rows_finite(weight);
+  }
+  if (!finite_weights) {
     return whole_products();
   }
   const at::Tensor index = at::tensor(needed, at::TensorOptions().dtype(at::kLong));
