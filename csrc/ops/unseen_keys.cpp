@@ -46,9 +46,9 @@ bool or_row(const uint8_t* __restrict row, int64_t stride, int64_t len_k, uint8_
   return any != 0;
 }
 
-std::vector<std::vector<uint8_t>> seen_keys(const at::Tensor& visible) {
+std::vector<std::vector<uint8_t>> seen_keys(const at::Tensor& visible, int64_t len_k) {
+  TORCH_INTERNAL_ASSERT(visible.size(3) == len_k, "seen_keys: a mask of ", visible.size(3), " keys for ", len_k);
   const auto* data = reinterpret_cast<const uint8_t*>(visible.const_data_ptr<bool>());
-  const int64_t len_k = visible.size(3);
   std::vector<std::vector<uint8_t>> seen(static_cast<size_t>(visible.size(0)));
   for (int64_t b = 0; b < visible.size(0); ++b) {
     auto& keys = seen[static_cast<size_t>(b)];
@@ -83,7 +83,10 @@ std::optional<KeyRows> split_key_rows(const std::optional<at::Tensor>& mask, con
   sizes.insert(sizes.end(), m.sizes().begin(), m.sizes().end());
   // As the kernels read masks: nonzero (NaN too) attends. The block passes it as bool already.
   const at::Tensor visible = distinct_elements((m.scalar_type() == at::kBool ? m : m.ne(0)).view(sizes));
-  const auto seen = seen_keys(visible);
+  if (visible.size(3) != len_k) {
+    return std::nullopt;  // the same value at every key (an expanded key dimension): each row sees all or none
+  }
+  const auto seen = seen_keys(visible, len_k);
   TORCH_INTERNAL_ASSERT(seen.size() == 1 || static_cast<int64_t>(seen.size()) == batch,
                         "split_key_rows: a mask batch of ", seen.size(), " for ", batch, " keys' batch entries");
   std::vector<int64_t> seen_rows, unseen_rows;
@@ -126,8 +129,8 @@ constexpr int64_t kLanes = 16;  // independent partial results the compiler keep
 // infinite.
 template <typename T>
 double largest_magnitude(const T* x, int64_t row_stride, int64_t n, const int64_t* rows, int64_t count) {
-  // Signed lanes: magnitudes leave the top bit clear, and the baseline ISA (SSE2) has no unsigned 32-bit max to
-  // vectorize with.
+  // Signed lanes: magnitudes leave the top bit clear, and the baseline ISA (SSE2) has a signed 16-bit max
+  // (bfloat16, float16) but no unsigned one.
   using S = std::make_signed_t<typename FloatBits<T>::type>;
   const auto magnitude = [](T v) { return static_cast<S>(magnitude_bits(v)); };
   S lane[kLanes] = {};

@@ -52,12 +52,12 @@ std::vector<int64_t> as_vector(const at::Tensor& t) {
   return {c.const_data_ptr<int64_t>(), c.const_data_ptr<int64_t>() + c.numel()};
 }
 
-// split_key_rows on `mask` for keys and values (batch, len_k, 8) against the rule: the seen rows and the others, or
-// nullopt where more than 3/4 of the rows are seen.
-void check_split(const at::Tensor& mask, int64_t batch, int64_t len_k) {
+// split_key_rows on `mask` for keys and values (batch, len_k, 8) against the rule on `rule_mask` (the same mask by
+// default): the seen rows and the others, or nullopt where more than 3/4 of the rows are seen.
+void check_split(const at::Tensor& mask, int64_t batch, int64_t len_k, const at::Tensor& rule_mask = {}) {
   const auto key = torch::randn({batch, len_k, 8});
   const auto split = split_key_rows(mask, key, key, /*is_causal=*/false);
-  const auto want = seen_by_rule(mask, batch, len_k);
+  const auto want = seen_by_rule(rule_mask.defined() ? rule_mask : mask, batch, len_k);
   if (static_cast<int64_t>(want.size()) * 4 > batch * len_k * 3) {
     CHECK_FALSE(split.has_value());
     return;
@@ -98,6 +98,22 @@ TEST_CASE("split_key_rows finds the keys some query sees, in padding, causal and
   }
 }
 
+TEST_CASE("split_key_rows ors every head's rows, heads that see different keys", "[unseen_keys]") {
+  const int64_t batch = 2, heads = 4, rows = 7, len_k = 40;
+  auto mask = torch::zeros({batch, heads, rows, len_k}, torch::kBool);
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t i = 0; i < rows; ++i) {
+      mask[0][h][i][(7 * h + i) % 13] = true;           // entry 0 sees keys 0..12
+      mask[1][h][i][20 + (5 * h + 2 * i) % 11] = true;  // entry 1 sees keys 20..30
+    }
+  }
+  const auto split = split_key_rows(mask, torch::randn({batch, len_k, 8}), torch::randn({batch, len_k, 8}), false);
+  REQUIRE(split.has_value());
+  CHECK(split->seen.numel() == 13 + 11);
+  check_split(mask, batch, len_k);
+  check_split(mask.select(0, 0).unsqueeze(0), batch, len_k);  // one entry's mask shared by the batch
+}
+
 TEST_CASE("split_key_rows counts every key of an entry with a row that sees none as seen", "[unseen_keys]") {
   const int64_t batch = 2, len_k = 64;
   auto mask = padding({4, 6}, len_k).expand({batch, 2, 5, len_k}).clone();
@@ -125,6 +141,19 @@ TEST_CASE("split_key_rows reads masks through their strides and in every dtype a
   }
   const auto nan_mask = torch::where(mask, std::numeric_limits<float>::quiet_NaN(), 0.0f);
   check_split(nan_mask, batch, len_k);  // NaN is nonzero: it attends
+  // Bool bytes other than 0 and 1 (a bool view of other bytes) attend as well.
+  const auto bytes = mask.to(torch::kUInt8) * torch::randint(1, 256, mask.sizes(), torch::kUInt8);
+  check_split(bytes.view(torch::kBool), batch, len_k, bytes);
+}
+
+TEST_CASE("split_key_rows leaves a mask with the same value at every key alone", "[unseen_keys]") {
+  const int64_t batch = 2, len_k = 64;
+  // An expanded key dimension (stride 0): every key of a row seen, or none (then all count as seen).
+  check_split(torch::ones({batch, 1, 6, 1}, torch::kBool).expand({batch, 1, 6, len_k}), batch, len_k);
+  check_split((torch::rand({batch, 1, 6, 1}) < 0.5).expand({batch, 1, 6, len_k}), batch, len_k);
+  check_split(torch::zeros({batch, 1, 6, 1}, torch::kBool).expand({batch, 1, 6, len_k}), batch, len_k);
+  check_split(torch::tensor(true).expand({len_k}), batch, len_k);
+  check_split(torch::zeros({batch, 1, 6, 1}, torch::kInt64).expand({batch, 1, 6, len_k}), batch, len_k);
 }
 
 TEST_CASE("split_key_rows declines calls it does not serve", "[unseen_keys]") {
@@ -156,6 +185,20 @@ TEST_CASE("projections_surely_finite bounds the skipped rows' products, reading 
     CHECK_FALSE(projections_surely_finite(x, w, x, weight, rows));
   }
   CHECK_FALSE(projections_surely_finite(x, w.to(torch::kFloat64), x, w, rows));  // dtypes differ: no bound
+  for (const auto dtype : {torch::kFloat16, torch::kFloat64}) {
+    INFO("dtype " << c10::toString(dtype));
+    const auto xd = x.to(dtype), wd = w.to(dtype);
+    CHECK(projections_surely_finite(xd, wd, xd, wd, rows));
+    for (const double bad : {std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN(),
+                             -std::numeric_limits<double>::infinity()}) {
+      auto value = xd.clone();
+      value[1][5][7] = bad;  // row 15
+      CHECK_FALSE(projections_surely_finite(xd, wd, value, wd, rows));
+    }
+  }
+  auto overflowing = x.to(torch::kFloat16);
+  overflowing[1][5][0] = 5000;  // times a row sum near 13: beyond half of float16's largest value (65504)
+  CHECK_FALSE(projections_surely_finite(overflowing, w.to(torch::kFloat16), overflowing, w.to(torch::kFloat16), rows));
   const auto half = x.to(torch::kBFloat16);
   CHECK(projections_surely_finite(half, w.to(torch::kBFloat16), half, w.to(torch::kBFloat16), rows));
   auto big = half.clone();

@@ -224,3 +224,17 @@ def test_unseen_value_row_not_finite_or_overflowing_reaches_its_sentence_as_in_t
         ref = oracle(q.double(), k.double(), v.double(), padding_mask())[0]
     assert out[1].isnan().all()
     torch.testing.assert_close(out[0].double(), ref[0], **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
+def test_mask_expanded_along_the_keys_sees_every_key_or_none(device, mask_dtype):
+    """A mask with the same value at every key (a (B, 1, Lq, 1) mask expanded to Lk keys, stride 0 there): each row
+    sees all keys or none, so every key is projected; the block matches the oracle."""
+    torch.manual_seed(0)
+    block, oracle = identity_blocks(torch.float64, device)
+    q = torch.randn(2, 5, D_MODEL, dtype=torch.float64, device=device)
+    k = torch.randn(2, 64, D_MODEL, dtype=torch.float64, device=device)
+    rows = torch.tensor([[1, 0, 1, 1, 0], [0, 0, 0, 0, 0]], device=device).to(mask_dtype)
+    mask = rows[:, None, :, None].expand(2, 1, 5, 64)
+    out = block(q, k, k, mask)
+    torch.testing.assert_close(out, oracle(q, k, k, mask)[0])
