@@ -23,10 +23,6 @@ namespace fastmha {
 
 namespace {
 
-// For each of the mask's batch entries (1 or batch): whether some query row of some head sees each key, or all keys
-// where a row sees none (the -1e9 rule spreads its weight over every key). One pass over a bool mask's distinct
-// elements (B', H', Lq', Lk), rows of unit stride vectorized: the ATen ops for the same (ne, any, logical_not,
-// logical_or, nonzero, about a dozen calls) cost more than the small projections they save in a decoding step.
 // Ors a mask row (nonzero attends) into `seen`; whether the row sees some key.
 bool or_row(const uint8_t* __restrict row, int64_t stride, int64_t len_k, uint8_t* __restrict seen) {
   uint8_t any = 0;
@@ -46,6 +42,10 @@ bool or_row(const uint8_t* __restrict row, int64_t stride, int64_t len_k, uint8_
   return any != 0;
 }
 
+// For each of the mask's batch entries (1 or batch): whether some query row of some head sees each key, or all keys
+// where a row sees none (the -1e9 rule spreads its weight over every key). One pass over a bool mask's distinct
+// elements (B', H', Lq', Lk), rows of unit stride vectorized: the ATen ops for the same (ne, any, logical_not,
+// logical_or, nonzero, about a dozen calls) cost more than the small projections they save in a decoding step.
 std::vector<std::vector<uint8_t>> seen_keys(const at::Tensor& visible, int64_t len_k) {
   TORCH_INTERNAL_ASSERT(visible.size(3) == len_k, "seen_keys: a mask of ", visible.size(3), " keys for ", len_k);
   const auto* data = reinterpret_cast<const uint8_t*>(visible.const_data_ptr<bool>());
@@ -177,10 +177,6 @@ double largest_row_sum(const T* w, int64_t rows, int64_t row_stride, int64_t n) 
   }
   return largest;
 }
-
-}  // namespace
-
-namespace {
 
 // Rows of unit stride, as the passes read them (the block's inputs and weights have them; others are copied).
 at::Tensor unit_rows(const at::Tensor& t) { return t.stride(1) == 1 ? t : t.contiguous(); }
