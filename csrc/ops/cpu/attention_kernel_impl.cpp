@@ -347,8 +347,11 @@ void apply_values(const AttentionInputs<T>& in, const Head<T>& head, const T* p,
   }
   if (head.half_v == nullptr) {
     if constexpr (std::is_same_v<T, float>) {
-      if (in.float_brgemm && brgemm_if_admitted(rows, in.d_v, n, p, ld, head.v + lo * in.v_stride.row, in.v_stride.row,
-                                                out_rows, out_ld, add)) {
+      // A single row (a decoding step, whose key length changes every call) runs gemm's vector loop instead of
+      // taking one of brgemm's places for a shape it will not meet again.
+      if (in.float_brgemm && rows > 1 &&
+          brgemm_if_admitted(rows, in.d_v, n, p, ld, head.v + lo * in.v_stride.row, in.v_stride.row, out_rows, out_ld,
+                             add)) {
         return;
       }
     }

@@ -1,5 +1,6 @@
 // float32 products of the CPU forward on oneDNN's batch-reduce GEMM (at::native::cpublas::brgemm) instead of the
 // BLAS's sgemm, where that is faster: the forward's O (+)= P V, the product that needs no packed operand.
+// (A single query row, a decoding step's, runs blas.h's vector loop instead: it keeps no kernel per key length.)
 //
 // MKL, the BLAS that torch's x86 wheels carry, runs no AVX-512 code on AMD processors; oneDNN's kernels do. On
 // Zen 4 (AVX-512) the forward took 0.89-0.94x its sgemm time with P V on brgemm (float32, 128-8192 keys, d 64 and
