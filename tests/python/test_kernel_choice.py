@@ -80,28 +80,29 @@ def test_forward_without_weights_runs_fastmhas_kernel_up_to_512_keys_and_torchs_
             q, k, v = qkv(b=1, h=1, lk=lk, dtype=dtype)
             assert choices(q, k, v, need_weights=False)["forward"] == (
                 "fastmha-cpu", "forward over at most 512 keys: fastmha's kernel is as fast as torch's or faster there")
-        q, k, v = qkv(b=1, h=1, lk=513, dtype=dtype)
-        assert choices(q, k, v, need_weights=False)["forward"][0] == "torch-cpu-flash"
-        # The keys decide, not the queries: a decoding step over 513 keys runs torch's kernel too.
-        q, k, v = qkv(b=1, h=1, lq=1, lk=513, dtype=dtype)
-        assert choices(q, k, v, need_weights=False)["forward"][0] == "torch-cpu-flash"
+        # float64 beyond 512 keys runs torch's kernel, whatever the query rows (float32 on AVX-512: below).
+        if dtype == torch.float64:
+            for lq in (1, 300):  # a decoding step, a block of queries
+                q, k, v = qkv(b=1, h=1, lq=lq, lk=513, dtype=dtype)
+                assert choices(q, k, v, need_weights=False)["forward"][0] == "torch-cpu-flash", lq
 
 
-def test_float32_forward_from_256_query_rows_runs_fastmhas_kernel_beyond_512_keys_on_avx512():
-    # Where fastmha's kernels run AVX-512 (their own polynomial exp) its float32 forward takes longer rows too, from
-    # 256 query rows per head; float64 (no such exp) and fewer rows stay with torch's.
+def test_float32_forward_runs_fastmhas_kernel_beyond_512_keys_on_avx512():
+    # Where fastmha's kernels run AVX-512 (their own polynomial exp, a single query row on vector loops) its float32
+    # forward takes longer rows too, whatever the query rows; float64 (no such exp) stays with torch's.
     avx512 = fastmha._C.cpu_capability() == "avx512"
-    for dtype, lq, expected in ((torch.float32, 256, "fastmha-cpu" if avx512 else "torch-cpu-flash"),
-                                (torch.float32, 255, "torch-cpu-flash"), (torch.float64, 256, "torch-cpu-flash")):
+    for dtype, lq in ((torch.float32, 1), (torch.float32, 3), (torch.float32, 255), (torch.float32, 256),
+                      (torch.float64, 1), (torch.float64, 256)):
+        expected = "fastmha-cpu" if avx512 and dtype == torch.float32 else "torch-cpu-flash"
         q, k, v = qkv(b=1, h=1, lq=lq, lk=600, dtype=dtype)
         kernel, reason = choices(q, k, v, need_weights=False)["forward"]
         assert kernel == expected, (dtype, lq, reason)
         if expected == "fastmha-cpu":
-            assert reason.startswith("float32 forward over 256 query rows or more on AVX-512"), reason
-        if dtype == torch.float32 and lq == 256:
-            out, _ = torch.ops.fastmha.attention(q, k, v, None, 0.0, False, False)
-            want = torch.softmax(q.double() @ k.double().transpose(-1, -2) / 8**0.5, -1) @ v.double()
-            torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+            assert reason.startswith("float32 forward on AVX-512: fastmha's kernel is faster than torch's beyond 512 "
+                                     "keys too"), reason
+        out, _ = torch.ops.fastmha.attention(q, k, v, None, 0.0, False, False)
+        want = torch.softmax(q.double() @ k.double().transpose(-1, -2) / 8**0.5, -1) @ v.double()
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_causal_forward_without_weights_runs_fastmhas_kernel():
@@ -185,13 +186,15 @@ def test_half_type_forward_runs_torchs_kernel_only_on_amx_tiles(dtype, name):
 
 @pytest.mark.parametrize("lk", [600, 8192])  # above the 512 keys up to which fastmha's forward runs anyway
 def test_float32_forward_skips_padding_up_to_three_quarters_of_the_keys_at_any_length(lk):
+    # Past that share float32 runs torch's kernel, except on AVX-512, where fastmha's runs it anyway.
     q, k, v = qkv(b=1, h=1, lq=4, lk=lk, dtype=torch.float32)
-    for share, expected in ((0.7, "fastmha-cpu"), (0.8, "torch-cpu-flash")):
+    avx512 = fastmha._C.cpu_capability() == "avx512"
+    for share, expected in ((0.7, "fastmha-cpu"), (0.8, "fastmha-cpu" if avx512 else "torch-cpu-flash")):
         mask = (torch.arange(lk) < int(share * lk)).reshape(1, 1, 1, lk)
         kernel, reason = choices(q, k, v, mask, need_weights=False)["forward"]
         assert kernel == expected, (share, reason)
-        if expected == "fastmha-cpu":
-            assert reason.startswith(f"a mask that leaves {round(share * 100)}% of the keys")
+        skips = reason.startswith(f"a mask that leaves {round(share * 100)}% of the keys")
+        assert skips == (share == 0.7), reason
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -299,12 +302,12 @@ def test_explain_checks_its_inputs():
 
 def test_log_switch_prints_each_calls_choice(monkeypatch, capfd):
     monkeypatch.setenv("FASTMHA_LOG_KERNELS", "1")
-    q, k, v = qkv(b=1, h=1, lk=600, dtype=torch.float32, requires_grad=True)
+    q, k, v = qkv(b=1, h=1, lk=600, dtype=torch.float64, requires_grad=True)
     out, _ = torch.ops.fastmha.attention(q, k, v, None, 0.0, False, False)
     out.sum().backward()
     err = capfd.readouterr().err
-    assert "fastmha: forward Float" in err and "-> torch-cpu-flash" in err
-    assert "fastmha: backward Float" in err
+    assert "fastmha: forward Double" in err and "-> torch-cpu-flash" in err
+    assert "fastmha: backward Double" in err
 
 
 # ---- the contract layer, forced, against the oracle ----

@@ -101,12 +101,10 @@ def test_dropout_draws_the_same_mask_when_keys_are_skipped():
     assert (skipped[1, :, :, 12:] == 0).all() and (skipped[1, :, :, :12] == 0).any()
 
 
-def test_padded_batches_choose_the_kernel_that_skips(monkeypatch):
-    # The rule for a float32 forward whose P V is on the BLAS (on brgemm fastmha's kernel runs beyond 512 keys too,
-    # from 1024 query rows).
-    monkeypatch.setenv("FASTMHA_CPU_FLOAT_GEMM", "blas")
+def test_padded_batches_choose_the_kernel_that_skips():
+    # float64 (a float32 forward on AVX-512 runs fastmha's kernel beyond 512 keys anyway).
     lk = 600  # without a mask that pays for skipping, torch's forward runs from 513 keys on
-    q, k, v = torch.randn(2, 2, 64, 8), torch.randn(2, 2, lk, 8), torch.randn(2, 2, lk, 8)
+    q, k, v = (torch.randn(2, 2, n, 8, dtype=torch.float64) for n in (64, lk, lk))
     keys = torch.arange(lk)
     heavy = torch.stack([keys < 50, keys < 90])[:, None, None, :]
     light = torch.stack([keys < lk, keys < 560])[:, None, None, :]
