@@ -347,9 +347,10 @@ void apply_values(const AttentionInputs<T>& in, const Head<T>& head, const T* p,
   }
   if (head.half_v == nullptr) {
     if constexpr (std::is_same_v<T, float>) {
-      // A single row (a decoding step, whose key length changes every call) runs gemm's vector loop instead of
-      // taking one of brgemm's places for a shape it will not meet again.
-      if (in.float_brgemm && rows > 1 &&
+      // A single row (a decoding step, whose key length changes every call) that gemm runs on its vector loops
+      // takes none of brgemm's places for a shape it will not meet again.
+      const bool on_vector_loops = rows == 1 && single_row_on_vector_loops<T>(false, in.d_v);
+      if (in.float_brgemm && !on_vector_loops &&
           brgemm_if_admitted(rows, in.d_v, n, p, ld, head.v + lo * in.v_stride.row, in.v_stride.row, out_rows, out_ld,
                              add)) {
         return;

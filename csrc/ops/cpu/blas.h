@@ -95,8 +95,13 @@ inline void small_dots(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int
   }
 }
 
-// The most vectors of a row of c that small_rows keeps in registers.
+// The most vectors of a row of c that small_rows keeps in registers: its two sets of sums take 16 of AVX-512's 32
+// vector registers, 8 of AVX2's 16.
+#if defined(CPU_CAPABILITY_AVX512)
 constexpr int64_t kRowVectors = 8;
+#else
+constexpr int64_t kRowVectors = 4;
+#endif
 
 // c[i, :] = alpha * a[i, :] b + beta * c[i, :] for rows of c of `vectors` whole vectors (at most kRowVectors): a row
 // of P times the values of a decoding step. Each row's sums stay in registers over the whole shared index, two
@@ -136,26 +141,43 @@ inline void small_rows(int64_t m, int64_t k, T alpha, const T* a, int64_t lda, c
   }
 }
 
-// small_rows for n a whole number of vectors, up to kRowVectors: false (nothing written) for other widths.
+// The vectors of a row of n elements when small_rows takes it (1, 2, 4 or kRowVectors whole vectors), else 0.
+template <typename T>
+inline int64_t row_vectors(int64_t n) {
+  using Vec = at::vec::Vectorized<T>;
+  const int64_t vectors = n / Vec::size();
+  const bool taken = n % Vec::size() == 0 && (vectors == 1 || vectors == 2 || vectors == 4 || vectors == kRowVectors);
+  return taken ? vectors : 0;
+}
+
+// small_rows for rows of c that it takes (row_vectors): false (nothing written) for other widths.
 template <typename T>
 inline bool small_rows_if_whole(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,
                                 int64_t ldb, T beta, T* c, int64_t ldc) {
-  using Vec = at::vec::Vectorized<T>;
-  if (n % Vec::size() != 0) {
-    return false;
+  const int64_t vectors = row_vectors<T>(n);
+  if (vectors == 1) {
+    small_rows<T, 1>(m, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  } else if (vectors == 2) {
+    small_rows<T, 2>(m, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  } else if (vectors == 4) {
+    small_rows<T, 4>(m, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  } else if (vectors == kRowVectors) {
+    small_rows<T, kRowVectors>(m, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
-  switch (n / Vec::size()) {
-    case 1:
-      return small_rows<T, 1>(m, k, alpha, a, lda, b, ldb, beta, c, ldc), true;
-    case 2:
-      return small_rows<T, 2>(m, k, alpha, a, lda, b, ldb, beta, c, ldc), true;
-    case 4:
-      return small_rows<T, 4>(m, k, alpha, a, lda, b, ldb, beta, c, ldc), true;
-    case kRowVectors:
-      return small_rows<T, kRowVectors>(m, k, alpha, a, lda, b, ldb, beta, c, ldc), true;
-    default:
-      return false;
-  }
+  return vectors != 0;
+}
+
+// Whether gemm() multiplies a single row on the vector loops (small_dots, small_rows) whatever its size: on
+// AVX-512, where it was measured, for scores (b transposed) at any width and for P V rows that small_rows takes.
+template <typename T>
+inline bool single_row_on_vector_loops(bool trans_b, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return trans_b || row_vectors<T>(n) != 0;
+#else
+  (void)trans_b;
+  (void)n;
+  return false;
+#endif
 }
 
 // The same contract as gemm() below, as loops the compiler vectorizes (each loop order keeps the innermost
@@ -211,13 +233,12 @@ inline void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T 
   }
   // A single row (a decoding step's query) is a matrix-vector product, which the vector loops ran faster than the
   // BLAS's GEMM (a forward over 512 keys with d_k 128 on an Intel Xeon); with 2-16 rows they lost to it.
-  if (m == 1 && !trans_a) {
+  if (m == 1 && !trans_a && single_row_on_vector_loops<T>(trans_b, n)) {
     if (trans_b) {
       return small_dots(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     }
-    if (small_rows_if_whole(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)) {
-      return;
-    }
+    small_rows_if_whole(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return;
   }
   const char ta = trans_b ? 'T' : 'N', tb = trans_a ? 'T' : 'N';
   const int mi = static_cast<int>(n), ni = static_cast<int>(m), ki = static_cast<int>(k);
