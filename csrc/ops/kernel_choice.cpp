@@ -144,11 +144,14 @@ KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share, 
   // Half types torch multiplies without tiles take fastmha's kernel at any share.
   const bool pass_forward = call.pass == Pass::kForward;
   const double own_pays_below = torch_on_tiles && !half_on_native() ? 0.2 : 0.75;
-  const std::string skipped = "a mask that leaves " + std::to_string(static_cast<int>(span * 100 + 0.5)) +
-                              "% of the keys to compute: fastmha's kernel skips the rest";
+  // Built only where that rule decides: most calls take another.
+  const auto skipped = [&] {
+    return "a mask that leaves " + std::to_string(static_cast<int>(span * 100 + 0.5)) +
+           "% of the keys to compute: fastmha's kernel skips the rest";
+  };
   if (pass_forward) {
     if (span <= own_pays_below) {
-      return {K::kOwnCpu, skipped};
+      return {K::kOwnCpu, skipped()};
     }
     if (half && !torch_on_tiles) {
       // fastmha's forward, widened to fp32 for sgemm a head at a time in its tasks, measured on Zen 3 against
@@ -208,7 +211,7 @@ KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share, 
     return {K::kStockCpu, "forward without kept weights or dropout: torch's CPU flash kernel is as fast or faster"};
   }
   if (span <= own_pays_below) {
-    return {K::kOwnCpu, skipped};
+    return {K::kOwnCpu, skipped()};
   }
   if (torch_on_tiles) {
     // Measured on an Intel Xeon with AMX-BF16 (bfloat16, fastmha's products native from 256 keys): fastmha's
