@@ -191,12 +191,9 @@ KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share, 
       // with d_k 64 and 0.91-0.96x with d_k 128 (as many queries as keys, two runs each), 0.82-0.83x at 256 query
       // rows over 2048-4096 keys; with 1-128 query rows per head (decoding steps, short query blocks; a single row
       // on gemm's vector loops) 0.69-1.03x at 1024-4096 keys, d_k 64 and 128 (interleaved timings).
-      if (float_on_brgemm) {
-        return {K::kOwnCpu, "float32 forward over " + std::to_string(kOwnFloatForwardOnAvx512FromQueries) +
-                                " query rows or more on AVX-512: fastmha's kernel is faster than torch's beyond " +
-                                std::to_string(kOwnForwardUpToKeys) + " keys too"};
-      }
-      return {K::kOwnCpu, "float32 forward on AVX-512: fastmha's kernel is faster than torch's beyond " +
+      const std::string rows =
+          float_on_brgemm ? "over " + std::to_string(kOwnFloatForwardOnAvx512FromQueries) + " query rows or more " : "";
+      return {K::kOwnCpu, "float32 forward " + rows + "on AVX-512: fastmha's kernel is faster than torch's beyond " +
                               std::to_string(kOwnForwardUpToKeys) + " keys too"};
     }
     if (float_on_brgemm && call.query.size(2) >= kOwnForwardOnBrgemmFromQueries) {
