@@ -71,10 +71,6 @@ constexpr bool own_half_on_tiles_head_size(int64_t d) { return d == 64 || d == 1
 // The most query rows per head at which a bfloat16 backward over more keys than that takes fastmha's kernel at any
 // head size, whatever its products (measured at 1-128 rows and 1024-4096 keys).
 constexpr int64_t kOwnHalfBackwardOnTilesUpToQueries = 128;
-// The fewest query rows per head at which a longer float32 forward with its P V on brgemm (AMD processors with
-// AVX-512) takes fastmha's kernel where it runs AVX-512: as first measured on an Intel Xeon (with P V on the BLAS
-// there, which later measured faster from a single row); fewer rows with P V on brgemm are unmeasured.
-constexpr int64_t kOwnFloatForwardOnAvx512FromQueries = 256;
 // The fewest query rows per head at which a longer float32 forward with its P V on brgemm takes fastmha's kernel:
 // measured from 1024 (as many queries as keys). Fewer rows (decoding steps, short query blocks) make a new product
 // shape at every length, which past the shapes the process runs on brgemm (cpu/float_gemm.h) multiply on the BLAS
@@ -184,16 +180,15 @@ KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share, 
       return {K::kOwnCpu, "forward over at most " + std::to_string(kOwnForwardUpToKeys) +
                               " keys: fastmha's kernel is as fast as torch's or faster there"};
     }
-    if (dtype == at::kFloat && cpu::capability() == cpu::Capability::AVX512 &&
-        (!float_on_brgemm || call.query.size(2) >= kOwnFloatForwardOnAvx512FromQueries)) {
+    if (dtype == at::kFloat && cpu::capability() == cpu::Capability::AVX512) {
       // Measured on an Intel Xeon with AMX-BF16 (family 6, model 167 as reported) without a mask, once the softmax's
       // exp ran as fastmha's own polynomial: fastmha's float32 forward took 0.89-0.93x torch's time at 1024-8192 keys
       // with d_k 64 and 0.91-0.96x with d_k 128 (as many queries as keys, two runs each), 0.82-0.83x at 256 query
       // rows over 2048-4096 keys; with 1-128 query rows per head (decoding steps, short query blocks; a single row
-      // on gemm's vector loops) 0.69-1.03x at 1024-4096 keys, d_k 64 and 128 (interleaved timings).
-      const std::string rows =
-          float_on_brgemm ? "over " + std::to_string(kOwnFloatForwardOnAvx512FromQueries) + " query rows or more " : "";
-      return {K::kOwnCpu, "float32 forward " + rows + "on AVX-512: fastmha's kernel is faster than torch's beyond " +
+      // on gemm's vector loops) 0.69-1.03x at 1024-4096 keys, d_k 64 and 128 (interleaved timings). On Zen 4 (P V
+      // on brgemm) 0.87-0.90x at 1024-8192 keys with as many queries, and at 1024-4096 keys 0.54-0.98x with 1 query
+      // row per head, 0.64-0.92x with 16 (d_k 64 and 128).
+      return {K::kOwnCpu, "float32 forward on AVX-512: fastmha's kernel is faster than torch's beyond " +
                               std::to_string(kOwnForwardUpToKeys) + " keys too"};
     }
     if (float_on_brgemm && call.query.size(2) >= kOwnForwardOnBrgemmFromQueries) {

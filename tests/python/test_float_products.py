@@ -152,7 +152,7 @@ def test_a_bad_switch_value_is_refused_in_any_dtype(monkeypatch):
 def test_float32_forward_on_brgemm_runs_fastmhas_kernel_beyond_512_keys_from_1024_queries(monkeypatch):
     """Without a mask the default runs torch's forward beyond 512 keys, unless the P V would run on brgemm and a
     head has 1024 query rows or more (as measured; fewer rows make a new product shape at every length), or, in
-    float32, fastmha's kernels run AVX-512 and a head has 256 query rows or more."""
+    float32, fastmha's kernels run AVX-512 (at any number of query rows)."""
     monkeypatch.delenv("FASTMHA_CPU_KERNELS", raising=False)
     k = torch.randn(1, 2, 513, 16)
     for mode, dtype, rows in (("brgemm", torch.float32, 1024), ("brgemm", torch.float32, 1023),

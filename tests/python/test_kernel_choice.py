@@ -90,21 +90,18 @@ def test_forward_without_weights_runs_fastmhas_kernel_up_to_512_keys_and_torchs_
 @pytest.mark.parametrize("float_gemm", ["blas", "brgemm"])
 def test_float32_forward_runs_fastmhas_kernel_beyond_512_keys_on_avx512(monkeypatch, float_gemm):
     # Where fastmha's kernels run AVX-512 (their own polynomial exp, a single query row on vector loops) its float32
-    # forward takes longer rows too: whatever the query rows with P V on the BLAS, from 256 with P V on oneDNN's
-    # brgemm (where it runs); float64 (no such exp) stays with torch's.
+    # forward takes longer rows too, whatever the query rows and wherever its P V runs (the BLAS or oneDNN's brgemm);
+    # float64 (no such exp) stays with torch's.
     monkeypatch.setenv("FASTMHA_CPU_FLOAT_GEMM", float_gemm)
     avx512 = fastmha._C.cpu_capability() == "avx512"
-    q, k, v = qkv(b=1, h=1, lq=256, lk=600, dtype=torch.float32)
-    on_brgemm = "oneDNN's brgemm" in choices(q, k, v, need_weights=False)["forward"][1]
     for dtype, lq in ((torch.float32, 1), (torch.float32, 3), (torch.float32, 255), (torch.float32, 256),
                       (torch.float64, 1), (torch.float64, 256)):
-        own = avx512 and dtype == torch.float32 and (lq >= 256 or not on_brgemm)
+        own = avx512 and dtype == torch.float32
         q, k, v = qkv(b=1, h=1, lq=lq, lk=600, dtype=dtype)
         kernel, reason = choices(q, k, v, need_weights=False)["forward"]
         assert kernel == ("fastmha-cpu" if own else "torch-cpu-flash"), (dtype, lq, reason)
         if own:
-            rule = "over 256 query rows or more on AVX-512" if on_brgemm else "on AVX-512"
-            assert reason.startswith(f"float32 forward {rule}: fastmha's kernel is faster than torch's beyond 512 "
+            assert reason.startswith("float32 forward on AVX-512: fastmha's kernel is faster than torch's beyond 512 "
                                      "keys too"), reason
         out, _ = torch.ops.fastmha.attention(q, k, v, None, 0.0, False, False)
         want = torch.softmax(q.double() @ k.double().transpose(-1, -2) / 8**0.5, -1) @ v.double()
