@@ -271,27 +271,27 @@ def test_native_without_the_instructions_widens(monkeypatch, dtype):
 
 @pytest.mark.parametrize("dtype", HALF_TYPES)
 def test_auto_multiplies_natively_from_enough_rows_and_keys_a_row_computes(monkeypatch, dtype):
-    # The default: native products where the CPU has them once a head has 256 query rows or more and they
-    # multiply 256 keys or more (the keys a padding mask leaves), widened below (and on every other CPU). Where the
-    # products run on AMX tiles, a forward without kept weights multiplies natively at any key count and a
+    # The default: native products where the CPU has them once a head has enough query rows and they multiply
+    # enough keys (the keys a padding mask leaves), widened below (and on every other CPU). A forward without kept
+    # weights multiplies natively at any key count. Where the products run on AMX tiles: from 256 query rows, a
     # backward from 20 keys; the forward also from 128 query rows in chunks of 128 or more: with these 4 heads on 2
     # threads 255 rows make chunks of 128, 193 rows 128 + 65 (the last computed as 80 rows), 128 rows chunks of 64
-    # (see also test_kernel_choice.py); the backward from 128 query rows.
+    # (see also test_kernel_choice.py); the backward from 128 query rows. Without tiles (AVX512-BF16 alone): from 64
+    # query rows, a backward from 32 keys.
     native = native_products(dtype)
     tiles = {torch.bfloat16: "amx_bf16", torch.float16: "amx_fp16"}[dtype] in cpu_flags()  # oneDNN's, as ATen packs
-    few_keys_forward = "native" if tiles else "widen"
-    few_rows_forward = "native" if tiles else "widen"
-    few_keys_backward = "native" if tiles else "widen"
-    few_rows_backward = "native" if tiles else "widen"
-    fewest_backward_keys = 20 if tiles else 256
+    fewest_rows = 256 if tiles else 64
+    fewest_backward_keys = 20 if tiles else 32
     monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
-    cases = ((256, 255, None, few_keys_forward, few_keys_backward, "keys"), (256, 256, None, "native", "native", ""),
-             (255, 600, None, few_rows_forward, few_rows_backward, "rows"),
-             (193, 600, None, few_rows_forward, few_rows_backward, "rows"),
-             (128, 600, None, "widen", few_rows_backward, "rows"), (127, 600, None, "widen", "widen", "rows"),
-             (256, 600, 100, few_keys_forward, few_keys_backward, "keys"),
-             (256, 600, 20, few_keys_forward, few_keys_backward, "keys"),
-             (256, 600, 19, few_keys_forward, "widen", "keys"), (256, 600, 400, "native", "native", ""))
+    n, w = "native", "widen"
+    # (query rows, keys, visible keys, forward, backward, why the widened ones widen)
+    few_tiles = w if tiles else n  # fewer rows than tiles need, enough without them
+    cases = ((256, 255, None, n, n, "keys"), (256, 256, None, n, n, ""), (255, 600, None, n, n, "rows"),
+             (193, 600, None, n, n, "rows"), (128, 600, None, few_tiles, n, "rows"),
+             (127, 600, None, few_tiles, few_tiles, "rows"), (64, 600, None, few_tiles, few_tiles, "rows"),
+             (63, 600, None, w, w, "rows"), (256, 600, 100, n, n, "keys"), (256, 600, 32, n, n, "keys"),
+             (256, 600, 31, n, n if tiles else w, "keys"), (256, 600, 20, n, n if tiles else w, "keys"),
+             (256, 600, 19, n, w, "keys"), (256, 600, 400, n, n, ""))
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # the chunks of the rows follow the thread count
     try:
@@ -306,9 +306,8 @@ def test_auto_multiplies_natively_from_enough_rows_and_keys_a_row_computes(monke
                 if not native:
                     assert "this CPU has no native" in note
                 elif expected == "widen":
-                    fewest_keys = 256 if note.startswith("forward") else fewest_backward_keys
-                    why = {"keys": f"fewer than {fewest_keys} keys a row multiplies",
-                           "rows": "fewer than 256 query rows"}
+                    why = {"keys": f"fewer than {fewest_backward_keys} keys a row multiplies",
+                           "rows": f"fewer than {fewest_rows} query rows"}
                     assert why[fewer] in note
             got = run_and_oracle(q, k, v, mask, False, grad)[0]
             monkeypatch.setenv("FASTMHA_CPU_HALF_GEMM", forward)

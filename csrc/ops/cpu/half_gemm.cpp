@@ -145,20 +145,21 @@ HalfProducts choose_half_products(at::ScalarType dtype, HalfGemmMode mode, bool 
       // from 128 rows on.
       const bool rows_on_tiles = tiles && (online ? chunk_rows >= kNativeOnlineOnTilesFromRows
                                                   : !forward && rows >= kNativeBackwardOnTilesFromRows);
-      if (rows < kNativeFromRows && !rows_on_tiles) {
+      const int64_t fewest_rows = tiles ? kNativeFromRows : kNativeWithoutTilesFromRows;
+      if (rows < fewest_rows && !rows_on_tiles) {
         const std::string on_tiles =
             !tiles ? ""
             : online
                 ? " (on AMX tiles " + std::to_string(kNativeOnlineOnTilesFromRows) + " in chunks of as many or more)"
             : !forward ? " (on AMX tiles " + std::to_string(kNativeBackwardOnTilesFromRows) + ")"
                        : "";
-        return widened(": fewer than " + std::to_string(kNativeFromRows) + " query rows" + on_tiles +
+        return widened(": fewer than " + std::to_string(fewest_rows) + " query rows" + on_tiles +
                        ", where native products pay less than widening");
       }
-      const int64_t fewest = !tiles    ? kNativeFromKeys
-                             : online  ? 0
+      const int64_t fewest = online    ? 0
                              : forward ? kNativeFromKeys
-                                       : kNativeBackwardOnTilesFromKeys;
+                             : tiles   ? kNativeBackwardOnTilesFromKeys
+                                       : kNativeBackwardWithoutTilesFromKeys;
       if (fewest > 0 && keys() < fewest) {
         return widened(": fewer than " + std::to_string(fewest) +
                        " keys a row multiplies, where native products pay less than widening");

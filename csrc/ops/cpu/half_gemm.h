@@ -48,9 +48,9 @@ static inline void hold_at_least(std::vector<T, Allocator>& buffer, int64_t n) {
 }
 
 // How calls in a half type multiply (FASTMHA_CPU_HALF_GEMM): `auto` (default) as `native` from kNativeFromRows
-// query rows per head, each multiplying kNativeFromKeys keys or more (those a mask leaves; where the products run
-// on AMX tiles, any count in a forward without kept weights and kNativeBackwardOnTilesFromKeys in a backward, and
-// fewer rows: choose_half_products), and as `widen` below;
+// query rows per head, each multiplying kNativeFromKeys keys or more (those a mask leaves; any count in a forward
+// without kept weights, fewer keys in a backward and fewer rows where the products run on AMX tiles or without
+// them: choose_half_products), and as `widen` below;
 // `widen` converts the operands to fp32 for MKL's sgemm; `native` multiplies in the half type where this CPU has the
 // instructions for it (elsewhere as widen); `reference` takes the half-type path through ATen's reference GEMM on any
 // CPU (for tests).
@@ -75,6 +75,14 @@ constexpr int64_t kNativeFromRows = 256;
 // 0.91x torch's time, at 64 rows 2.2x; at 192 rows 1.15x while a chunk's product ran on rows padded to a power of
 // two (256), about even once they ran in row blocks of 128 + 64 (computed_rows).
 constexpr int64_t kNativeOnlineOnTilesFromRows = 128;
+// Where the products run without AMX tiles (AVX512-BF16 alone, as on Zen 4), once the packing of their operands ran
+// in AVX-512: the fewest query rows per head at which `auto` multiplies natively, and the fewest keys a row
+// multiplies in a backward (a forward without kept weights: any count). On Zen 4 the native bfloat16 forward took
+// 0.58-0.76x the widened one's time at 64 and 128 query rows over 512-4096 keys (d_k 64; forward + backward
+// 0.60-0.70x) and 0.66-0.70x at 128 rows and keys (d_k 64 and 128); in padded batches (350 and 1024 keys) 0.58-0.68x
+// with 17-51 keys visible, forward + backward 0.66-0.77x with 35-256 keys but 1.10x with 17.
+constexpr int64_t kNativeWithoutTilesFromRows = 64;
+constexpr int64_t kNativeBackwardWithoutTilesFromKeys = 32;
 // The same for a backward where the products run on AMX tiles: on an Intel Xeon with AMX-BF16 its native bfloat16
 // backward at 128 query rows took 0.80-0.83x the widened one's time at 2048-4096 keys with d_k 64 (1.07x at 1024),
 // 0.57-0.89x with d_k 128 at 1024-4096 (two runs) and 0.79-1.04x with d_k 96.
