@@ -71,10 +71,11 @@ constexpr bool own_half_on_tiles_head_size(int64_t d) { return d == 64 || d == 1
 // The most query rows per head at which a bfloat16 backward over more keys than that takes fastmha's kernel at any
 // head size, whatever its products (measured at 1-128 rows and 1024-4096 keys).
 constexpr int64_t kOwnHalfBackwardOnTilesUpToQueries = 128;
-// The fewest query rows per head at which a longer float32 forward with its P V on brgemm takes fastmha's kernel:
-// measured from 1024 (as many queries as keys). Fewer rows (decoding steps, short query blocks) make a new product
-// shape at every length, which past the shapes the process runs on brgemm (cpu/float_gemm.h) multiply on the BLAS
-// again; so do other calls whose lengths keep changing, at their last key block.
+// The fewest query rows per head at which a longer float32 forward with its P V on brgemm takes fastmha's kernel
+// where its kernels run no AVX-512 (with AVX-512 any number does): measured from 1024 (as many queries as keys). Fewer
+// rows (decoding steps, short query blocks) make a new product shape at every length, which past the shapes the process
+// runs on brgemm (cpu/float_gemm.h) multiply on the BLAS again; so do other calls whose lengths keep changing, at their
+// last key block.
 constexpr int64_t kOwnForwardOnBrgemmFromQueries = 1024;
 
 // float_on_brgemm: a float32 forward would run its P V on oneDNN's brgemm (cpu/float_gemm.h). half_on_native: whether
