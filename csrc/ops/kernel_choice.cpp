@@ -188,7 +188,7 @@ KernelChoice choose_cpu(const AttentionCall& call, ComputedKeyShare& key_share, 
       // rows over 2048-4096 keys; with 1-128 query rows per head (decoding steps, short query blocks; a single row
       // on gemm's vector loops) 0.69-1.03x at 1024-4096 keys, d_k 64 and 128 (interleaved timings). On Zen 4 (P V
       // on brgemm) 0.87-0.90x at 1024-8192 keys with as many queries, and at 1024-4096 keys 0.54-0.98x with 1 query
-      // row per head, 0.64-0.92x with 16 (d_k 64 and 128).
+      // row per head, 0.64-0.93x with 16 (d_k 64 and 128).
       return {K::kOwnCpu, "float32 forward on AVX-512: fastmha's kernel is faster than torch's beyond " +
                               std::to_string(kOwnForwardUpToKeys) + " keys too"};
     }

@@ -272,31 +272,41 @@ def test_native_without_the_instructions_widens(monkeypatch, dtype):
 @pytest.mark.parametrize("dtype", HALF_TYPES)
 def test_auto_multiplies_natively_from_enough_rows_and_keys_a_row_computes(monkeypatch, dtype):
     # The default: native products where the CPU has them once a head has enough query rows and they multiply
-    # enough keys (the keys a padding mask leaves), widened below (and on every other CPU). A forward without kept
-    # weights multiplies natively at any key count. Where the products run on AMX tiles: from 256 query rows, a
-    # backward from 20 keys; the forward also from 128 query rows in chunks of 128 or more: with these 4 heads on 2
-    # threads 255 rows make chunks of 128, 193 rows 128 + 65 (the last computed as 80 rows), 128 rows chunks of 64
-    # (see also test_kernel_choice.py); the backward from 128 query rows. Without tiles (AVX512-BF16 alone): from 64
-    # query rows, a backward from 32 keys.
+    # enough keys (the keys a padding mask leaves), widened below (and on every other CPU). With the operands packed
+    # by portable code and no AMX tiles: from 256 query rows and 256 keys. Where the products run on AMX tiles: from
+    # 256 query rows, a forward without kept weights at any key count and a backward from 20 keys; the forward also
+    # from 128 query rows in chunks of 128 or more: with these 4 heads on 2 threads 255 rows make chunks of 128, 193
+    # rows 128 + 65 (the last computed as 80 rows), 128 rows chunks of 64 (see also test_kernel_choice.py); the
+    # backward from 128 query rows. Without tiles on operands packed in AVX-512 (fastmha's AVX512 kernels): from 64
+    # query rows, a forward without kept weights at any key count, a backward from 32 keys.
     native = native_products(dtype)
     tiles = {torch.bfloat16: "amx_bf16", torch.float16: "amx_fp16"}[dtype] in cpu_flags()  # oneDNN's, as ATen packs
-    fewest_rows = 256 if tiles else 64
-    fewest_backward_keys = 20 if tiles else 32
+    packed_fast = not tiles and fastmha._C.cpu_capability() == "avx512"
+    kind = "tiles" if tiles else "fast" if packed_fast else "portable"
+    fewest_rows = 64 if packed_fast else 256
+    fewest_keys = {"tiles": (0, 20), "fast": (0, 32), "portable": (256, 256)}[kind]  # forward, backward
     monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
-    n, w = "native", "widen"
-    # (query rows, keys, visible keys, forward, backward, why the widened ones widen)
-    few_tiles = w if tiles else n  # fewer rows than tiles need, enough without them
-    cases = ((256, 255, None, n, n, "keys"), (256, 256, None, n, n, ""), (255, 600, None, n, n, "rows"),
-             (193, 600, None, n, n, "rows"), (128, 600, None, few_tiles, n, "rows"),
-             (127, 600, None, few_tiles, few_tiles, "rows"), (64, 600, None, few_tiles, few_tiles, "rows"),
-             (63, 600, None, w, w, "rows"), (256, 600, 100, n, n, "keys"), (256, 600, 32, n, n, "keys"),
-             (256, 600, 31, n, n if tiles else w, "keys"), (256, 600, 20, n, n if tiles else w, "keys"),
-             (256, 600, 19, n, w, "keys"), (256, 600, 400, n, n, ""))
+    # (query rows, keys, visible keys, {kind: forward and backward, n native, w widened}, why the widened widen)
+    cases = ((256, 255, None, dict(tiles="nn", fast="nn", portable="ww"), "keys"),
+             (256, 256, None, dict(tiles="nn", fast="nn", portable="nn"), ""),
+             (255, 600, None, dict(tiles="nn", fast="nn", portable="ww"), "rows"),
+             (193, 600, None, dict(tiles="nn", fast="nn", portable="ww"), "rows"),
+             (128, 600, None, dict(tiles="wn", fast="nn", portable="ww"), "rows"),
+             (127, 600, None, dict(tiles="ww", fast="nn", portable="ww"), "rows"),
+             (64, 600, None, dict(tiles="ww", fast="nn", portable="ww"), "rows"),
+             (63, 600, None, dict(tiles="ww", fast="ww", portable="ww"), "rows"),
+             (256, 600, 100, dict(tiles="nn", fast="nn", portable="ww"), "keys"),
+             (256, 600, 32, dict(tiles="nn", fast="nn", portable="ww"), "keys"),
+             (256, 600, 31, dict(tiles="nn", fast="nw", portable="ww"), "keys"),
+             (256, 600, 20, dict(tiles="nn", fast="nw", portable="ww"), "keys"),
+             (256, 600, 19, dict(tiles="nw", fast="nw", portable="ww"), "keys"),
+             (256, 600, 400, dict(tiles="nn", fast="nn", portable="nn"), ""))
+    names = {"n": "native", "w": "widen"}
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # the chunks of the rows follow the thread count
     try:
-        for lq, lk, visible, forward, backward, fewer in cases:
-            forward, backward = (forward, backward) if native else ("widen", "widen")
+        for lq, lk, visible, expected_by_kind, fewer in cases:
+            forward, backward = (names[c] for c in expected_by_kind[kind]) if native else ("widen", "widen")
             q, k, v, grad = half_inputs(dtype, lq=lq, lk=lk)
             mask = None if visible is None else padding([visible, visible], lk=lk)
             monkeypatch.delenv("FASTMHA_CPU_HALF_GEMM", raising=False)
@@ -306,8 +316,8 @@ def test_auto_multiplies_natively_from_enough_rows_and_keys_a_row_computes(monke
                 if not native:
                     assert "this CPU has no native" in note
                 elif expected == "widen":
-                    why = {"keys": f"fewer than {fewest_backward_keys} keys a row multiplies",
-                           "rows": f"fewer than {fewest_rows} query rows"}
+                    keys = fewest_keys[0] if note.startswith("forward") else fewest_keys[1]
+                    why = {"keys": f"fewer than {keys} keys a row multiplies", "rows": f"fewer than {fewest_rows} query rows"}
                     assert why[fewer] in note
             got = run_and_oracle(q, k, v, mask, False, grad)[0]
             monkeypatch.setenv("FASTMHA_CPU_HALF_GEMM", forward)

@@ -159,8 +159,8 @@ def forward_choice(mask, lq=1024, lk=1024):
 
 
 def test_kernel_choice_counts_the_keys_inside_the_span_that_are_skipped():
-    # The rule for a float64 forward (float32's takes fastmha's kernel beyond 512 keys without a mask too, from 256
-    # query rows on AVX-512 or 1024 with its P V on brgemm).
+    # The rule for a float64 forward (float32's takes fastmha's kernel beyond 512 keys without a mask too, at any
+    # number of query rows on AVX-512, from 1024 with its P V on brgemm without it).
     # Each of these masks spans nearly all keys from a chunk's first to its last visible one, but leaves a
     # small share of them to compute: fastmha's kernel skips the rest, torch's computes all.
     window = window_with_global_keys(1024, 1024, width=32, global_keys=16)

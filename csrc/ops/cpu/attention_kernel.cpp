@@ -1,9 +1,8 @@
 // CPU kernels of the attention core: input checks, dtype handling and the hand-off to the fused kernels
 // (attention_kernel_impl.cpp, one variant per CPU capability). Scores, softmax and gradients accumulate in fp32.
 // The GEMMs of the forward and of the blocked backward multiply half types as they are where the kernel choice
-// says so (by default on CPUs with native products once 256 query rows multiply 256 keys, or any count of keys in a
-// forward without kept weights on AMX tiles; FASTMHA_CPU_HALF_GEMM, ops/cpu/half_gemm.h), and widen them to fp32
-// otherwise.
+// says so (by default on CPUs with native products once a head has enough query rows multiplying enough keys; the
+// limits are choose_half_products', FASTMHA_CPU_HALF_GEMM, ops/cpu/half_gemm.h), and widen them to fp32 otherwise.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>

@@ -141,11 +141,14 @@ HalfProducts choose_half_products(at::ScalarType dtype, HalfGemmMode mode, bool 
         return widened(no_native);
       }
       const bool tiles = at::native::cpublas::could_pack(dtype);
+      // Without tiles the lower limits hold where the operands are packed in AVX-512 (as measured); with the
+      // portable packers native products lost at fewer than 256 rows or keys.
+      const bool packed_fast = !tiles && avx512_moves();
       // A chunk's products run on its rows rounded up to a multiple of 16 (computed_rows): at most an eighth more
       // from 128 rows on.
       const bool rows_on_tiles = tiles && (online ? chunk_rows >= kNativeOnlineOnTilesFromRows
                                                   : !forward && rows >= kNativeBackwardOnTilesFromRows);
-      const int64_t fewest_rows = tiles ? kNativeFromRows : kNativeWithoutTilesFromRows;
+      const int64_t fewest_rows = packed_fast ? kNativeWithoutTilesFromRows : kNativeFromRows;
       if (rows < fewest_rows && !rows_on_tiles) {
         const std::string on_tiles =
             !tiles ? ""
@@ -156,10 +159,11 @@ HalfProducts choose_half_products(at::ScalarType dtype, HalfGemmMode mode, bool 
         return widened(": fewer than " + std::to_string(fewest_rows) + " query rows" + on_tiles +
                        ", where native products pay less than widening");
       }
-      const int64_t fewest = online    ? 0
-                             : forward ? kNativeFromKeys
-                             : tiles   ? kNativeBackwardOnTilesFromKeys
-                                       : kNativeBackwardWithoutTilesFromKeys;
+      const int64_t fewest = !tiles && !packed_fast ? kNativeFromKeys
+                             : online               ? 0
+                             : forward              ? kNativeFromKeys
+                             : tiles                ? kNativeBackwardOnTilesFromKeys
+                                                    : kNativeBackwardWithoutTilesFromKeys;
       if (fewest > 0 && keys() < fewest) {
         return widened(": fewer than " + std::to_string(fewest) +
                        " keys a row multiplies, where native products pay less than widening");

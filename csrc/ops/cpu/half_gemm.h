@@ -57,30 +57,33 @@ static inline void hold_at_least(std::vector<T, Allocator>& buffer, int64_t n) {
 enum class HalfGemmMode { kAuto, kWiden, kNative, kReference };
 HalfGemmMode half_gemm_mode();
 
-// The fewest keys at which `auto` multiplies natively. On Zen 4 (AVX512-BF16) the native bfloat16 forward took
-// 0.48-0.67x the widened one's time from 256 to 4096 keys but 1.2-1.3x at 128 keys, where its packing and
-// kernel calls weigh more than the products; so did a padded batch of 350 keys with 10-25% of them visible.
+// The fewest keys at which `auto` multiplies natively (a forward with kept weights; others below). On Zen 4
+// (AVX512-BF16), with the operands packed by portable code, the native bfloat16 forward took 0.48-0.67x the widened
+// one's time from 256 to 4096 keys but 1.2-1.3x at 128 keys, where its packing and kernel calls weigh more than the
+// products; so did a padded batch of 350 keys with 10-25% of them visible.
 constexpr int64_t kNativeFromKeys = 256;
 // The same for a backward where the products run on AMX tiles: on an Intel Xeon with AMX-BF16 (family 6, model 167
 // as reported) the native backward of a padded bfloat16 batch (8 x 350 and 4 x 1024 keys, 8 heads) took 0.74-0.94x
 // the widened one's time at 20-84 keys a row with d_k 64 (0.73-0.86x with d_k 128), about the same at 21 and
 // 1.05-1.10x at 10-17 (d_k 128 even at 14).
 constexpr int64_t kNativeBackwardOnTilesFromKeys = 20;
-// The fewest query rows per head at which `auto` multiplies natively: with fewer (decoding steps, short query
-// blocks) the native forward over 1024-4096 keys took 9-10x the widened one's time on Zen 4 at 1 row, 2.6-2.7x at
-// 32 and 1.25-1.37x at 128 rows; 0.91-1.01x at 256 rows (forward + backward 0.72-0.81x).
+// The fewest query rows per head at which `auto` multiplies natively (fewer on AMX tiles or on operands packed in
+// AVX-512: below): with fewer (decoding steps, short query blocks) the native forward over 1024-4096 keys took 9-10x
+// the widened one's time on Zen 4 at 1 row, 2.6-2.7x at 32 and 1.25-1.37x at 128 rows, 0.91-1.01x at 256 rows
+// (forward + backward 0.72-0.81x), with the operands packed by portable code.
 constexpr int64_t kNativeFromRows = 256;
 // The same for a forward without kept weights where the products run on AMX tiles, in chunks of this many rows
 // or more: on an Intel Xeon with AMX-BF16 its native bfloat16 forward at 128 query rows and keys (d_k 64) took
 // 0.91x torch's time, at 64 rows 2.2x; at 192 rows 1.15x while a chunk's product ran on rows padded to a power of
 // two (256), about even once they ran in row blocks of 128 + 64 (computed_rows).
 constexpr int64_t kNativeOnlineOnTilesFromRows = 128;
-// Where the products run without AMX tiles (AVX512-BF16 alone, as on Zen 4), once the packing of their operands ran
-// in AVX-512: the fewest query rows per head at which `auto` multiplies natively, and the fewest keys a row
-// multiplies in a backward (a forward without kept weights: any count). On Zen 4 the native bfloat16 forward took
-// 0.58-0.76x the widened one's time at 64 and 128 query rows over 512-4096 keys (d_k 64; forward + backward
-// 0.60-0.70x) and 0.66-0.70x at 128 rows and keys (d_k 64 and 128); in padded batches (350 and 1024 keys) 0.58-0.68x
-// with 17-51 keys visible, forward + backward 0.66-0.77x with 35-256 keys but 1.10x with 17.
+// Where the products run without AMX tiles (AVX512-BF16 alone, as on Zen 4) on operands packed in AVX-512 (fastmha's
+// AVX512 kernels; the portable packers keep kNativeFromRows and kNativeFromKeys): the fewest query rows per head at
+// which `auto` multiplies natively, and the fewest keys a row multiplies in a backward (a forward without kept weights:
+// any count). On Zen 4 the native bfloat16 forward took 0.58-0.75x the widened one's time at 64 and 128 query rows over
+// 512-4096 keys (d_k 64; forward + backward 0.60-0.70x) and 0.66-0.70x at 128 rows and keys (d_k 64 and 128); in padded
+// batches (350 and 1024 keys) 0.58-0.68x with 17-51 keys visible, forward + backward 0.66-0.77x with 35-256 keys
+// but 1.10x with 17.
 constexpr int64_t kNativeWithoutTilesFromRows = 64;
 constexpr int64_t kNativeBackwardWithoutTilesFromKeys = 32;
 // The same for a backward where the products run on AMX tiles: on an Intel Xeon with AMX-BF16 its native bfloat16
@@ -108,9 +111,10 @@ struct HalfProducts {
 // How a forward or a backward in `dtype` with `rows` query rows per head multiplies under `mode` (the value of
 // FASTMHA_CPU_HALF_GEMM). `keys` gives the keys a row multiplies (those a mask leaves); it is asked only where
 // `auto` needs the count. `online`: a forward without kept weights (the online softmax's blocks, one pass per row
-// from the raw products): where oneDNN multiplies on AMX tiles it takes native products at any key count (on an
-// Intel Xeon with AMX-BF16 a padded batch's forward over 35-256 visible keys took 0.55-0.85x the widened time), and
-// a backward from kNativeBackwardOnTilesFromKeys keys. `chunk_rows`: the query rows per task of an online forward
+// from the raw products): where oneDNN multiplies on AMX tiles, or without them on operands packed in AVX-512, it
+// takes native products at any key count (on an Intel Xeon with AMX-BF16 a padded batch's forward over 35-256
+// visible keys took 0.55-0.85x the widened time), and a backward from kNativeBackwardOnTilesFromKeys keys
+// (kNativeBackwardWithoutTilesFromKeys without tiles). `chunk_rows`: the query rows per task of an online forward
 // (online_query_chunk); asked only there.
 HalfProducts choose_half_products(at::ScalarType dtype, HalfGemmMode mode, bool forward, bool online, int64_t rows,
                                   int64_t chunk_rows, const std::function<int64_t()>& keys);
