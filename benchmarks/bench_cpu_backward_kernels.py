@@ -26,7 +26,7 @@ CASES = [("float32", "none", d, b, length) for d in (64, 128) for b, length in L
 CASES += [("float64", "none", 64, b, length) for b, length in ((2, 2048), (1, 4096))]
 CASES += [("float32", "padding", 64, b, length) for b, length in ((2, 2048), (1, 4096))]
 # --half: bfloat16 and float16 over short and long keys, fastmha's products as the default takes them
-# (native on CPUs that multiply the type, widened to fp32 elsewhere or below 256 rows or keys)
+# (native on CPUs that multiply the type, widened to fp32 elsewhere or below the limits of rows and keys)
 SHORT_AND_LONG = ((16, 128), (8, 256), (4, 512), (2, 1024), (1, 2048), (1, 4096))
 HALF_CASES = [(dtype, "none", d, b, length) for dtype in ("bfloat16", "float16") for d in (64, 128)
               for b, length in SHORT_AND_LONG]
