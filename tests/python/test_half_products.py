@@ -317,7 +317,8 @@ def test_auto_multiplies_natively_from_enough_rows_and_keys_a_row_computes(monke
                     assert "this CPU has no native" in note
                 elif expected == "widen":
                     keys = fewest_keys[0] if note.startswith("forward") else fewest_keys[1]
-                    why = {"keys": f"fewer than {keys} keys a row multiplies", "rows": f"fewer than {fewest_rows} query rows"}
+                    why = {"keys": f"fewer than {keys} keys a row multiplies",
+                           "rows": f"fewer than {fewest_rows} query rows"}
                     assert why[fewer] in note
             got = run_and_oracle(q, k, v, mask, False, grad)[0]
             monkeypatch.setenv("FASTMHA_CPU_HALF_GEMM", forward)
