@@ -161,12 +161,14 @@ void check_block_inputs(const at::Tensor& query, const at::Tensor& key, const at
     check_like_query(*w, name, query, query_name);
   }
   TORCH_CHECK(num_heads > 0, "fastmha: num_heads must be positive, got ", num_heads);
+  // w_q gives d_model, which the other weights and the inputs must have.
   check_dim(w_q, "w_q", 2, "(d_model, d_model)");
   const auto d_model = w_q.sym_size(0);
+  TORCH_CHECK(w_q.sym_size(1) == d_model, "fastmha: w_q must be square (d_model, d_model), got ", w_q.sym_sizes());
   TORCH_CHECK(d_model > 0, "fastmha: d_model (w_q dim 0) must be positive, got w_q of shape ", w_q.sym_sizes());
   for (const auto& [w, name] : weights) {
     TORCH_CHECK(w->dim() == 2 && w->sym_size(0) == d_model && w->sym_size(1) == d_model, "fastmha: ", name,
-                " must have shape (d_model, d_model) = (", d_model, ", ", d_model, "), got ", w->sym_sizes());
+                " must have w_q's shape (d_model, d_model) = (", d_model, ", ", d_model, "), got ", w->sym_sizes());
   }
   TORCH_CHECK(d_model % num_heads == 0, "fastmha: d_model must be divisible by num_heads, got d_model ", d_model,
               " and num_heads ", num_heads);
@@ -176,7 +178,7 @@ void check_block_inputs(const at::Tensor& query, const at::Tensor& key, const at
   const std::pair<const at::Tensor*, const char*> inputs[] = {{&query, query_name}, {&key, "key"}, {&value, "value"}};
   for (const auto& [x, name] : inputs) {
     TORCH_CHECK(x->sym_size(2) == d_model, "fastmha: ", name, " must have d_model = ", d_model,
-                " features (last dim), got shape ", x->sym_sizes());
+                " features (last dim), got shape ", x->sym_sizes(), "; d_model is w_q's size ", w_q.sym_sizes());
   }
   check_same_size(query, key, value, 0, "batch size");
   check_same_length(key, value, 1);
@@ -217,16 +219,37 @@ void check_backward_inputs(const at::Tensor& grad_output, const at::Tensor& quer
               " ", rng_state.scalar_type());
 }
 
+namespace {
+
+// `t` shaped like the scores (batch, h, Lq, Lk), in the query's dtype, on its device.
+void check_scores_shaped(const at::Tensor& t, const char* name, const char* what, const at::Tensor& query,
+                         const at::Tensor& key) {
+  check_like_query(t, name, query);
+  TORCH_CHECK(t.dim() == 4 && t.sym_size(0) == query.sym_size(0) && t.sym_size(1) == query.sym_size(1) &&
+                  t.sym_size(2) == query.sym_size(2) && t.sym_size(3) == key.sym_size(2),
+              "fastmha: ", name, " must ", what, " (batch, h, Lq, Lk) = (", query.sym_size(0), ", ", query.sym_size(1),
+              ", ", query.sym_size(2), ", ", key.sym_size(2), "), got shape ", t.sym_sizes());
+}
+
+}  // namespace
+
 void check_kept_weights(const std::optional<at::Tensor>& weights, const at::Tensor& query, const at::Tensor& key) {
-  if (!weights.has_value()) {
-    return;
+  if (weights.has_value()) {
+    check_scores_shaped(*weights, "weights", "be the forward's kept weights of shape", query, key);
   }
-  check_like_query(*weights, "weights", query);
-  const auto& w = *weights;
-  TORCH_CHECK(w.dim() == 4 && w.sym_size(0) == query.sym_size(0) && w.sym_size(1) == query.sym_size(1) &&
-                  w.sym_size(2) == query.sym_size(2) && w.sym_size(3) == key.sym_size(2),
-              "fastmha: weights must be the forward's kept weights of shape (batch, h, Lq, Lk) = (", query.sym_size(0),
-              ", ", query.sym_size(1), ", ", query.sym_size(2), ", ", key.sym_size(2), "), got shape ", w.sym_sizes());
+}
+
+void check_grad_weights(const std::optional<at::Tensor>& grad_weights, const at::Tensor& query, const at::Tensor& key) {
+  if (grad_weights.has_value() && grad_weights->defined()) {
+    check_scores_shaped(*grad_weights, "grad_weights", "have the weights' shape", query, key);
+  }
+}
+
+void check_shaped_like_query(const at::Tensor& t, const char* name, const at::Tensor& query, c10::SymIntArrayRef shape,
+                             const char* what) {
+  check_like_query(t, name, query);
+  TORCH_CHECK(t.sym_sizes() == shape, "fastmha: ", name, " must have shape ", what, " = ", shape, ", got ",
+              t.sym_sizes());
 }
 
 }  // namespace fastmha

@@ -44,11 +44,18 @@ void check_backward_inputs(const at::Tensor& grad_output, const at::Tensor& quer
 
 // The backward's kept weights: nullopt, or (batch, h, Lq, Lk) in the query's dtype, on its device.
 void check_kept_weights(const std::optional<at::Tensor>& weights, const at::Tensor& query, const at::Tensor& key);
+// The weights' gradient: nullopt or undefined (the weights reach no loss), or shaped like the kept weights.
+void check_grad_weights(const std::optional<at::Tensor>& grad_weights, const at::Tensor& query, const at::Tensor& key);
 
 // query (batch, Lq, d_model), key and value (batch, Lk, d_model), weights (d_model, d_model). Errors call the
 // query `query_name` (a decoding step's is its input x).
 void check_block_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& w_q,
                         const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o, int64_t num_heads,
                         const std::optional<at::Tensor>& mask, double dropout_p, const char* query_name = "query");
+
+// `t` in the query's dtype, on its device, of the given shape (`what` says what that shape is, e.g. "(batch, Lq,
+// d_model)").
+void check_shaped_like_query(const at::Tensor& t, const char* name, const at::Tensor& query, c10::SymIntArrayRef shape,
+                             const char* what);
 
 }  // namespace fastmha

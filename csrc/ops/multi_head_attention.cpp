@@ -120,6 +120,34 @@ detail::MultiHeadAttentionForwardResult multi_head_attention_forward_kernel(
   return {output, weights, query_proj, key_proj, value_proj, context, logsumexp, rng_state};
 }
 
+// The backward's tensors from its forward, before any product reads them: the forward's own checks, then each
+// gradient and saved projection in the query's dtype and on its device, of the shape the forward gave it (the
+// attention core's backward checks the weights, their gradient, logsumexp and rng_state).
+void check_block_backward_inputs(const at::Tensor& grad_output, const at::Tensor& query, const at::Tensor& key,
+                                 const at::Tensor& value, const at::Tensor& w_q, const at::Tensor& w_k,
+                                 const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& query_proj,
+                                 const at::Tensor& key_proj, const at::Tensor& value_proj, const at::Tensor& context,
+                                 int64_t num_heads, const std::optional<at::Tensor>& mask, double dropout_p,
+                                 const std::optional<at::Tensor>& grad_query_proj,
+                                 const std::optional<at::Tensor>& grad_key_proj,
+                                 const std::optional<at::Tensor>& grad_value_proj) {
+  check_block_inputs(query, key, value, w_q, w_k, w_v, w_o, num_heads, mask, dropout_p);
+  const std::vector<c10::SymInt> query_rows = {query.sym_size(0), query.sym_size(1), w_q.sym_size(0)};
+  const std::vector<c10::SymInt> key_rows = {query.sym_size(0), key.sym_size(1), w_q.sym_size(0)};
+  const auto check = [&](const at::Tensor& t, const char* name, bool on_query) {
+    check_shaped_like_query(t, name, query, on_query ? query_rows : key_rows,
+                            on_query ? "(batch, Lq, d_model)" : "(batch, Lk, d_model)");
+  };
+  check(grad_output, "grad_output", true);
+  check(query_proj, "query_proj", true);
+  check(key_proj, "key_proj", false);
+  check(value_proj, "value_proj", false);
+  check(context, "context", true);
+  if (grad_query_proj.has_value()) check(*grad_query_proj, "grad_query_proj", true);
+  if (grad_key_proj.has_value()) check(*grad_key_proj, "grad_key_proj", false);
+  if (grad_value_proj.has_value()) check(*grad_value_proj, "grad_value_proj", false);
+}
+
 detail::MultiHeadAttentionBackwardResult multi_head_attention_backward_kernel(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights, const at::Tensor& query,
     const at::Tensor& key, const at::Tensor& value, const at::Tensor& w_q, const at::Tensor& w_k, const at::Tensor& w_v,
@@ -128,6 +156,8 @@ detail::MultiHeadAttentionBackwardResult multi_head_attention_backward_kernel(
     const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal, const std::optional<at::Tensor>& weights,
     const std::optional<at::Tensor>& grad_query_proj, const std::optional<at::Tensor>& grad_key_proj,
     const std::optional<at::Tensor>& grad_value_proj, int64_t shared_inputs) {
+  check_block_backward_inputs(grad_output, query, key, value, w_q, w_k, w_v, w_o, query_proj, key_proj, value_proj,
+                              context, num_heads, mask, dropout_p, grad_query_proj, grad_key_proj, grad_value_proj);
   TORCH_CHECK(shared_inputs >= 0 && shared_inputs <= 7,
               "fastmha: shared_inputs must be a sum of the bits 1, 2 and 4 (0 to 7), got ", shared_inputs);
   const std::array<at::Tensor, 3> xs = {query, key, value};

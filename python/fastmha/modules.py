@@ -146,6 +146,16 @@ def _positive_int(value: object, name: str) -> int:
     return int(value)
 
 
+def _is_probability(p) -> bool:
+    """Whether ``p`` is a number (a 0-d tensor too, as nn.Dropout takes) in [0, 1]: a string or None is not."""
+    if isinstance(p, (str, bytes)):
+        return False
+    try:
+        return 0.0 <= float(p) <= 1.0
+    except (TypeError, ValueError, RuntimeError):
+        return False
+
+
 def _dropout_probability(p: float, training: bool) -> float:
     """The probability an nn.Dropout applies: p in training, 0 otherwise. p may have been set after construction:
     checked in either mode, as F.dropout does."""
@@ -260,8 +270,8 @@ class MultiHeadAttentionBlock(nn.Module):
         d_model, h = _positive_int(d_model, "d_model"), _positive_int(h, "h")
         if d_model % h != 0:
             raise ValueError(f"fastmha: d_model must be divisible by h, got d_model={d_model} and h={h}")
-        if not 0.0 <= float(dropout) <= 1.0:
-            raise ValueError(f"fastmha: dropout must be in [0, 1], got {dropout!r}")
+        if not _is_probability(dropout):
+            raise ValueError(f"fastmha: dropout must be a number in [0, 1], got {dropout!r} ({type(dropout).__name__})")
         self.d_model = d_model
         self.h = h
         self.d_k = d_model // h

@@ -11,7 +11,19 @@ def load_cpp_state_dict(path) -> Dict[str, Tensor]:
     """Loads a state dict written by ``fastmha::save_state_dict`` in C++, with ``weights_only`` loading.
 
     C++'s pickler tags containers with ``torch.jit._pickle.restore_type_tag``, which torch.load's safe mode does
-    not allow by default; it only restores type annotations, so it is allowed here and nothing else is.
+    not allow by default; it only restores type annotations, so it is allowed here and nothing else is. Raises
+    ValueError when the file holds anything but a dict of str to Tensor.
     """
     with torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag]):
-        return dict(torch.load(path, weights_only=True))
+        loaded = torch.load(path, weights_only=True)
+    if not isinstance(loaded, dict) or not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in loaded.items()):
+        raise ValueError(f"fastmha: {str(path)!r} holds no state dict (a dict of str to Tensor), got "
+                         f"{_describe(loaded)}")
+    return dict(loaded)
+
+
+def _describe(loaded) -> str:
+    if isinstance(loaded, dict):
+        bad = next(((k, v) for k, v in loaded.items() if not (isinstance(k, str) and isinstance(v, Tensor))))
+        return f"a dict with entry {bad[0]!r}: {type(bad[1]).__name__}"
+    return type(loaded).__name__

@@ -31,8 +31,12 @@ def core_call(q=None, k=None, v=None, mask=None, p=0.0):
     (8, -2, 0.0, r"h must be a positive int, got -2"),
     (8, True, 0.0, r"h must be a positive int, got True"),
     (8.0, 2, 0.0, r"d_model must be a positive int, got 8.0"),
-    (8, 2, 1.5, r"dropout must be in \[0, 1\], got 1.5"),
-    (8, 2, -0.1, r"dropout must be in \[0, 1\], got -0.1"),
+    (8, 2, 1.5, r"dropout must be a number in \[0, 1\], got 1.5 \(float\)"),
+    (8, 2, -0.1, r"dropout must be a number in \[0, 1\], got -0.1 \(float\)"),
+    (8, 2, float("nan"), r"dropout must be a number in \[0, 1\], got nan \(float\)"),
+    (8, 2, "0.1", r"dropout must be a number in \[0, 1\], got '0.1' \(str\)"),
+    (8, 2, None, r"dropout must be a number in \[0, 1\], got None \(NoneType\)"),
+    (8, 2, torch.tensor([0.1, 0.2]), r"dropout must be a number in \[0, 1\], got tensor\(\[0.1000, 0.2000\]\) \(Tensor\)"),
 ])
 def test_module_constructor_errors(d_model, h, dropout, match):
     with pytest.raises(ValueError, match=match):
@@ -46,7 +50,10 @@ BLOCK_CASES = {
     "value last dim": (dict(v=torch.randn(2, 4, 9)), r"value must have d_model = 8 .* got shape \[2, 4, 9\]"),
     "batch mismatch": (dict(k=torch.randn(3, 4, D), v=torch.randn(3, 4, D)), r"same batch size .* query \[2, 3, 8\], key \[3, 4, 8\]"),
     "key/value length": (dict(v=torch.randn(2, 5, D)), r"key and value must have the same length \(dim 1\), got key \[2, 4, 8\], value \[2, 5, 8\]"),
-    "weight shape": (dict(ws=[torch.randn(D, D), torch.randn(D, 4), torch.randn(D, D), torch.randn(D, D)]), r"w_k must have shape \(d_model, d_model\) = \(8, 8\), got \[8, 4\]"),
+    "weight shape": (dict(ws=[torch.randn(D, D), torch.randn(D, 4), torch.randn(D, D), torch.randn(D, D)]), r"w_k must have w_q's shape \(d_model, d_model\) = \(8, 8\), got \[8, 4\]"),
+    # w_q gives d_model: the errors say so.
+    "w_q not square": (dict(ws=[torch.randn(4, D)] + [torch.randn(D, D)] * 3), r"w_q must be square \(d_model, d_model\), got \[4, 8\]"),
+    "weights of another d_model": (dict(ws=[torch.randn(4, 4)] * 4), r"query must have d_model = 4 features \(last dim\), got shape \[2, 3, 8\]; d_model is w_q's size \[4, 4\]"),
     "weight rank": (dict(ws=[torch.randn(D)] + [torch.randn(D, D)] * 3), r"w_q must be 2-D \(d_model, d_model\), got shape \[8\]"),
     "heads do not divide": (dict(heads=3), r"d_model must be divisible by num_heads, got d_model 8 and num_heads 3"),
     "heads zero": (dict(heads=0), r"num_heads must be positive, got 0"),
@@ -229,9 +236,9 @@ def backward_call(**changes):
     """The private backward op on one forward's saved tensors, with some of them replaced."""
     q, k, v = (torch.randn(2, 3, 6, 4) for _ in range(3))
     out, _, lse, rng_state = torch.ops.fastmha._attention_forward(q, k, v, None, 0.5, False, False)
-    saved = dict(grad_output=torch.randn_like(out), output=out, logsumexp=lse, rng_state=rng_state)
+    saved = dict(grad_output=torch.randn_like(out), grad_weights=None, output=out, logsumexp=lse, rng_state=rng_state)
     saved.update(changes)
-    return torch.ops.fastmha._attention_backward(saved["grad_output"], None, q, k, v, None, saved["output"],
+    return torch.ops.fastmha._attention_backward(saved["grad_output"], saved["grad_weights"], q, k, v, None, saved["output"],
                                                  saved["logsumexp"], saved["rng_state"], 0.5, False)
 
 
@@ -241,6 +248,11 @@ BACKWARD_CASES = {
     "empty rng_state": (dict(rng_state=torch.empty(0, dtype=torch.long)), r"rng_state must be the forward's 2 int64 values \(seed, offset\), got \[0\] Long"),
     "small grad_output": (dict(grad_output=torch.randn(1, 1, 1, 1)), r"grad_output must have the forward output's shape \(batch, h, Lq, d_v\) = \[2, 3, 6, 4\], got \[1, 1, 1, 1\]"),
     "output dtype": (dict(output=torch.randn(2, 3, 6, 4, dtype=torch.float64)), r"output must have the query's dtype Float, got Double"),
+    # A gradient of the weights smaller than them would be read past its end.
+    "one-element grad_weights": (dict(grad_weights=torch.randn(1, 1, 1, 1)), r"grad_weights must have the weights' shape \(batch, h, Lq, Lk\) = \(2, 3, 6, 6\), got shape \[1, 1, 1, 1\]"),
+    "grad_weights of one key": (dict(grad_weights=torch.randn(2, 3, 6, 1)), r"grad_weights must have the weights' shape .* got shape \[2, 3, 6, 1\]"),
+    "2-D grad_weights": (dict(grad_weights=torch.randn(6, 6)), r"grad_weights must have the weights' shape .* got shape \[6, 6\]"),
+    "grad_weights dtype": (dict(grad_weights=torch.randn(2, 3, 6, 6, dtype=torch.float64)), r"grad_weights must have the query's dtype Float, got Double"),
 }
 
 
@@ -250,3 +262,68 @@ def test_private_backward_checks_the_forwards_tensors(changes, match):
     with pytest.raises(RuntimeError, match=match):
         backward_call(**changes)
     backward_call()  # the consistent call runs
+
+
+def test_private_backward_checks_grad_weights_on_meta_tensors():
+    # The shapes a traced graph sees are checked alike.
+    q, k, v = (torch.randn(2, 3, 6, 4, device="meta") for _ in range(3))
+    out, weights, lse, rng_state = torch.ops.fastmha._attention_forward(q, k, v, None, 0.0, True, False)
+    with pytest.raises(RuntimeError, match=r"grad_weights must have the weights' shape .* got shape \[2, 3, 6, 1\]"):
+        torch.ops.fastmha._attention_backward(torch.randn_like(out), torch.randn(2, 3, 6, 1, device="meta"), q, k, v,
+                                              None, out, lse, rng_state, 0.0, False)
+    grads = torch.ops.fastmha._attention_backward(torch.randn_like(out), torch.randn_like(weights), q, k, v, None, out,
+                                                  lse, rng_state, 0.0, False)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+def block_backward_call(heads=H, **changes):
+    """The block's private backward op on one forward's saved tensors, with some of them replaced."""
+    q, k, v = torch.randn(2, 3, D), torch.randn(2, 5, D), torch.randn(2, 5, D)
+    ws = [torch.randn(D, D) for _ in range(4)]
+    out, weights, q_proj, k_proj, v_proj, context, lse, rng_state = torch.ops.fastmha._multi_head_attention_forward(
+        q, k, v, *ws, H, None, 0.0, True, False)
+    saved = dict(grad_output=torch.randn_like(out), grad_weights=torch.randn_like(weights), query_proj=q_proj,
+                 key_proj=k_proj, value_proj=v_proj, context=context, grad_query_proj=None, grad_key_proj=None,
+                 grad_value_proj=None)
+    saved.update(changes)
+    return torch.ops.fastmha._multi_head_attention_backward(
+        saved["grad_output"], saved["grad_weights"], q, k, v, *ws, saved["query_proj"], saved["key_proj"],
+        saved["value_proj"], saved["context"], lse, rng_state, heads, None, 0.0, False, None, saved["grad_query_proj"],
+        saved["grad_key_proj"], saved["grad_value_proj"])
+
+
+BLOCK_BACKWARD_CASES = {
+    "no heads": (dict(heads=0), r"num_heads must be positive, got 0"),
+    "heads do not divide": (dict(heads=3), r"d_model must be divisible by num_heads, got d_model 8 and num_heads 3"),
+    "other heads": (dict(heads=4), r"logsumexp must be the forward's \(batch, h, Lq\) = \[2, 4, 3\]"),
+    "small grad_output": (dict(grad_output=torch.randn(2, 1, D)), r"grad_output must have shape \(batch, Lq, d_model\) = \[2, 3, 8\], got \[2, 1, 8\]"),
+    "grad_weights": (dict(grad_weights=torch.randn(1, 1, 1, 1)), r"grad_weights must have the weights' shape \(batch, h, Lq, Lk\) = \(2, 2, 3, 5\)"),
+    "query_proj": (dict(query_proj=torch.randn(2, 5, D)), r"query_proj must have shape \(batch, Lq, d_model\) = \[2, 3, 8\], got \[2, 5, 8\]"),
+    "key_proj dtype": (dict(key_proj=torch.randn(2, 5, D, dtype=torch.float64)), r"key_proj must have the query's dtype Float, got Double"),
+    "context": (dict(context=torch.randn(2, 3, 4)), r"context must have shape \(batch, Lq, d_model\) = \[2, 3, 8\], got \[2, 3, 4\]"),
+    # Another path's gradient of a projection is added to the attention's: one that broadcasts is an error.
+    "broadcast grad_key_proj": (dict(grad_key_proj=torch.randn(1, 1, D)), r"grad_key_proj must have shape \(batch, Lk, d_model\) = \[2, 5, 8\], got \[1, 1, 8\]"),
+    "1-D grad_value_proj": (dict(grad_value_proj=torch.randn(D)), r"grad_value_proj must have shape \(batch, Lk, d_model\) = \[2, 5, 8\], got \[8\]"),
+    "grad_query_proj rows": (dict(grad_query_proj=torch.randn(2, 5, D)), r"grad_query_proj must have shape \(batch, Lq, d_model\) = \[2, 3, 8\], got \[2, 5, 8\]"),
+}
+
+
+@pytest.mark.parametrize("changes,match", list(BLOCK_BACKWARD_CASES.values()), ids=list(BLOCK_BACKWARD_CASES))
+def test_private_block_backward_checks_the_forwards_tensors(changes, match):
+    # Autograd always passes consistent tensors; a direct call with others gets an error, not a crash.
+    with pytest.raises(RuntimeError, match=match):
+        block_backward_call(**changes)
+    grads = block_backward_call(grad_query_proj=torch.randn(2, 3, D), grad_key_proj=torch.randn(2, 5, D))
+    assert [tuple(g.shape) for g in grads] == [(2, 3, D), (2, 5, D), (2, 5, D)] + [(D, D)] * 4
+
+
+@pytest.mark.parametrize("content,match", [
+    (torch.ones(2), r"holds no state dict \(a dict of str to Tensor\), got Tensor"),
+    ({"w_q.weight": torch.ones(2), "step": 3}, r"holds no state dict .* got a dict with entry 'step': int"),
+    ({0: torch.ones(2)}, r"holds no state dict .* got a dict with entry 0: Tensor"),
+], ids=["tensor", "int value", "int key"])
+def test_cpp_state_dict_loader_names_a_file_without_one(tmp_path, content, match):
+    path = tmp_path / "saved.pt"
+    torch.save(content, path)
+    with pytest.raises(ValueError, match=match):
+        fastmha.load_cpp_state_dict(path)

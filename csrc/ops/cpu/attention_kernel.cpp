@@ -277,6 +277,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
   check_backward_inputs(grad_output, query, key, value, user_mask, output, logsumexp, rng_state, dropout_p);
   const auto mask = mask_as_bool(user_mask);
   check_kept_weights(weights, query, key);
+  check_grad_weights(grad_weights, query, key);
   const auto dtype = query.scalar_type();
   const auto acc = at::toOpMathType(dtype);
   const bool weights_serve = weights.has_value() && weights_stand_for_softmax(dtype, dropout_p);

@@ -33,6 +33,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_meta(
     const std::optional<at::Tensor>& weights) {
   check_backward_inputs(grad_output, query, key, value, mask, output, logsumexp, rng_state, dropout_p);
   check_kept_weights(weights, query, key);
+  check_grad_weights(grad_weights, query, key);
   auto like = [](const at::Tensor& t) { return empty_heads(t.sym_sizes(), heads_interleaved(t), t.options()); };
   return {like(query), like(key), like(value)};
 }
