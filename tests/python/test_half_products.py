@@ -277,13 +277,13 @@ def test_auto_multiplies_natively_from_enough_rows_and_keys_a_row_computes(monke
     # 256 query rows, a forward without kept weights at any key count and a backward from 20 keys; the forward also
     # from 128 query rows in chunks of 128 or more: with these 4 heads on 2 threads 255 rows make chunks of 128, 193
     # rows 128 + 65 (the last computed as 80 rows), 128 rows chunks of 64 (see also test_kernel_choice.py); the
-    # backward from 128 query rows. Without tiles on operands packed in AVX-512 (fastmha's AVX512 kernels): from 64
+    # backward from 128 query rows. Without tiles on operands packed in AVX-512 (fastmha's AVX512 kernels): from 32
     # query rows, a forward without kept weights at any key count, a backward from 32 keys.
     native = native_products(dtype)
     tiles = {torch.bfloat16: "amx_bf16", torch.float16: "amx_fp16"}[dtype] in cpu_flags()  # oneDNN's, as ATen packs
     packed_fast = not tiles and fastmha._C.cpu_capability() == "avx512"
     kind = "tiles" if tiles else "fast" if packed_fast else "portable"
-    fewest_rows = 64 if packed_fast else 256
+    fewest_rows = 32 if packed_fast else 256
     fewest_keys = {"tiles": (0, 20), "fast": (0, 32), "portable": (256, 256)}[kind]  # forward, backward
     monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
     # (query rows, keys, visible keys, {kind: forward and backward, n native, w widened}, why the widened widen)
@@ -294,7 +294,9 @@ def test_auto_multiplies_natively_from_enough_rows_and_keys_a_row_computes(monke
              (128, 600, None, dict(tiles="wn", fast="nn", portable="ww"), "rows"),
              (127, 600, None, dict(tiles="ww", fast="nn", portable="ww"), "rows"),
              (64, 600, None, dict(tiles="ww", fast="nn", portable="ww"), "rows"),
-             (63, 600, None, dict(tiles="ww", fast="ww", portable="ww"), "rows"),
+             (63, 600, None, dict(tiles="ww", fast="nn", portable="ww"), "rows"),
+             (32, 600, None, dict(tiles="ww", fast="nn", portable="ww"), "rows"),
+             (31, 600, None, dict(tiles="ww", fast="ww", portable="ww"), "rows"),
              (256, 600, 100, dict(tiles="nn", fast="nn", portable="ww"), "keys"),
              (256, 600, 32, dict(tiles="nn", fast="nn", portable="ww"), "keys"),
              (256, 600, 31, dict(tiles="nn", fast="nw", portable="ww"), "keys"),

@@ -83,8 +83,9 @@ constexpr int64_t kNativeOnlineOnTilesFromRows = 128;
 // any count). On Zen 4 the native bfloat16 forward took 0.58-0.75x the widened one's time at 64 and 128 query rows over
 // 512-4096 keys (d_k 64; forward + backward 0.60-0.70x) and 0.66-0.70x at 128 rows and keys (d_k 64 and 128); in padded
 // batches (350 and 1024 keys) 0.58-0.68x with 17-51 keys visible, forward + backward 0.66-0.77x with 35-256 keys
-// but 1.10x with 17.
-constexpr int64_t kNativeWithoutTilesFromRows = 64;
+// but 1.10x with 17. At 32 query rows (three runs, 512-4096 keys, d_k 64 and 128, with and without padding) forward
+// 0.44-0.96x, forward + backward 0.73-1.03x; at 16 rows 0.90-1.51x, at 1 row 1.8-3.7x.
+constexpr int64_t kNativeWithoutTilesFromRows = 32;
 constexpr int64_t kNativeBackwardWithoutTilesFromKeys = 32;
 // The same for a backward where the products run on AMX tiles: on an Intel Xeon with AMX-BF16 its native bfloat16
 // backward at 128 query rows took 0.80-0.83x the widened one's time at 2048-4096 keys with d_k 64 (1.07x at 1024),
