@@ -76,6 +76,22 @@ def torch_label(torch):
     return f"torch{major}.{minor}.{cuda}"
 
 
+def install_rpath(torch, cuda, editable_lib_dir):
+    """libfastmha's run path: its own folder, then (CUDA builds) the folders of the cuBLAS and CUDA runtime that pip's
+    torch loads, as seen from the library installed next to torch (site-packages/fastmha/lib) and, in an editable
+    install, from the source tree. A C++ program may load libfastmha before torch's own libraries: without these
+    entries its cuBLAS would come from the system's search path (a CUDA toolkit's copy, another release than the
+    cuBLASLt torch loads). The loader skips folders that a machine does not have."""
+    entries = ["$ORIGIN"]
+    nvidia = Path(torch.__file__).resolve().parent.parent / "nvidia"
+    for lib in sorted(nvidia.glob("*/lib")) if cuda else []:
+        if any(lib.glob("libcublas.so*")) or any(lib.glob("libcudart.so*")):
+            entries.append(f"$ORIGIN/../../nvidia/{lib.parent.name}/lib")
+            if editable_lib_dir is not None:
+                entries.append("$ORIGIN/" + os.path.relpath(lib, editable_lib_dir))
+    return ";".join(entries)
+
+
 def cmake_cache_value(build_dir, name):
     """A variable of the configured build (CMakeCache.txt), which FASTMHA_CMAKE_ARGS may have overridden."""
     for line in (Path(build_dir) / "CMakeCache.txt").read_text().splitlines():
@@ -125,7 +141,8 @@ class CMakeBuild(build_ext):
             f"-DPython_EXECUTABLE={sys.executable}",
             "-DFASTMHA_BUILD_PYTHON=ON",
             # Installed into the package: find libfastmha next to itself, torch through the loaded process.
-            "-DCMAKE_INSTALL_RPATH=$ORIGIN",
+            "-DCMAKE_INSTALL_RPATH=" + install_rpath(torch, cuda, ROOT / "python" / "fastmha" / "lib" if editable
+                                                     else None),
         ]
         configure.append(f"-DFASTMHA_WITH_CUDA={'ON' if cuda else 'OFF'}")
         # The Catch2 tests belong to a development tree (editable install), not to a wheel.

@@ -1,6 +1,7 @@
 """C++ users: outside CMake projects build against the installed package (find_package(fastmha)), load a
 model saved from Python without calling a fastmha symbol, train in C++, and weights move both ways."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -57,6 +58,22 @@ def test_program_linking_only_the_target_runs_a_python_scripted_model(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     readelf = subprocess.run(["readelf", "-d", str(exe)], capture_output=True, text=True).stdout
     assert "libfastmha.so" in readelf
+    # The program loads the cuBLAS that torch loads in Python, not another copy from the system's search path
+    # (libfastmha's own dependencies are looked up before torch's in a C++ program).
+    cublas = torch_cublas_in_this_process()
+    if cublas is not None:
+        traced = subprocess.run([str(exe), str(tmp_path / "model.pt"), str(tmp_path / "data.pt")], capture_output=True,
+                                text=True, env={**os.environ, "LD_DEBUG": "libs"})
+        loaded = {os.path.realpath(line.split("calling init:")[1].strip()) for line in traced.stderr.splitlines()
+                  if "calling init:" in line and "/libcublas.so" in line}
+        assert loaded == {cublas}, loaded
+
+
+def torch_cublas_in_this_process():
+    """The cuBLAS library file this Python process has loaded with torch (None for a CPU-only torch)."""
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "/libcublas.so" in line}
+    return os.path.realpath(paths.pop()) if len(paths) == 1 else None
 
 
 def test_cpp_training_and_weights_back_to_python(tmp_path):
