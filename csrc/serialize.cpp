@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 #include <torch/serialize.h>
 
+#include <algorithm>
 #include <fstream>
 #include <iterator>
 #include <set>
@@ -40,7 +41,13 @@ void load_state_dict(torch::nn::Module& module, const std::string& path) {
   try {
     value = torch::pickle_load(bytes);
   } catch (const c10::Error& error) {
-    // C++'s unpickler knows plain dicts, not the OrderedDict a Python state_dict() is.
+    // C++'s unpickler knows plain dicts, not the OrderedDict a Python state_dict() is: it fails on one with an
+    // internal assertion whose text says nothing useful, so that case is named alone (torch.save stores the pickle
+    // uncompressed, where the class's name shows).
+    const std::string ordered = "OrderedDict";
+    const bool ordered_dict = std::search(bytes.begin(), bytes.end(), ordered.begin(), ordered.end()) != bytes.end();
+    TORCH_CHECK(!ordered_dict, "fastmha: '", path, "' holds a Python OrderedDict (what state_dict() returns), ",
+                "which C++ cannot read; from Python save a plain dict: torch.save(dict(block.state_dict()), path)");
     TORCH_CHECK(false, "fastmha: cannot read '", path, "' as a dict of tensors; from Python save a plain dict: ",
                 "torch.save(dict(block.state_dict()), path). Unpickler said: ", error.what_without_backtrace());
   }
