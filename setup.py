@@ -140,7 +140,7 @@ class CMakeBuild(build_ext):
             f"-DTORCH_CUDA_ARCH_LIST={archs}",
             f"-DPython_EXECUTABLE={sys.executable}",
             "-DFASTMHA_BUILD_PYTHON=ON",
-            # Installed into the package: find libfastmha next to itself, torch through the loaded process.
+            # Installed into the package: libfastmha next to itself, torch's cuBLAS and CUDA runtime (install_rpath).
             "-DCMAKE_INSTALL_RPATH=" + install_rpath(torch, cuda, ROOT / "python" / "fastmha" / "lib" if editable
                                                      else None),
         ]

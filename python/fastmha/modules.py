@@ -264,7 +264,7 @@ class MultiHeadAttentionBlock(nn.Module):
         saved); with ``is_causal=True`` query i attends keys j <= i only; ``reuse_projections`` lets a call
         without gradients reuse the key and value projections of the previous call when its key and value are
         the same, unchanged tensors (see the class docstring). Raises ValueError for sizes that
-        are not positive ints, ``d_model % h != 0``, or a dropout outside [0, 1].
+        are not positive ints, ``d_model % h != 0``, or a dropout that is no number in [0, 1].
         """
         super().__init__()
         d_model, h = _positive_int(d_model, "d_model"), _positive_int(h, "h")

@@ -84,7 +84,7 @@ constexpr int64_t kNativeOnlineOnTilesFromRows = 128;
 // 512-4096 keys (d_k 64; forward + backward 0.60-0.70x) and 0.66-0.70x at 128 rows and keys (d_k 64 and 128); in padded
 // batches (350 and 1024 keys) 0.58-0.68x with 17-51 keys visible, forward + backward 0.66-0.77x with 35-256 keys
 // but 1.10x with 17. At 32 query rows (three runs, 512-4096 keys, d_k 64 and 128, with and without padding) forward
-// 0.44-0.96x, forward + backward 0.73-1.03x; at 16 rows 0.90-1.51x, at 1 row 1.8-3.7x.
+// 0.47-0.96x, forward + backward 0.74-1.03x; at 16 rows 0.90-1.51x, at 1 row 1.8-3.7x (both passes).
 constexpr int64_t kNativeWithoutTilesFromRows = 32;
 constexpr int64_t kNativeBackwardWithoutTilesFromKeys = 32;
 // The same for a backward where the products run on AMX tiles: on an Intel Xeon with AMX-BF16 its native bfloat16

@@ -204,11 +204,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
     const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& mask, const at::Tensor& output,
     const at::Tensor& logsumexp, const at::Tensor& rng_state, double dropout_p, bool is_causal,
     const std::optional<at::Tensor>& weights) {
-  c10::cuda::CUDAGuard guard(query.device());
   check_backward_inputs(grad_output, query, key, value, mask, output, logsumexp, rng_state, dropout_p);
   // The CUDA backward recomputes the weights; kept ones are only checked.
   check_kept_weights(weights, query, key);
   check_grad_weights(grad_weights, query, key);
+  c10::cuda::CUDAGuard guard(query.device());
   AttentionCall call{query, key, value, mask, dropout_p, weights_kept(grad_weights), is_causal, Pass::kBackward};
   // With the switch on, the forward may have drawn either stream (kept weights, torch's enabled kernels and the
   // switch decide): the backward looks which, at one wait for the GPU, and replays that one.

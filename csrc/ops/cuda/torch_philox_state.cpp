@@ -10,8 +10,8 @@ constexpr int64_t kTorchDrawTag = 1;  // in the offset: see the header
 
 bool capturing() { return at::cuda::currentStreamCaptureStatus() != at::cuda::CaptureStatus::None; }
 
-// torch's backward reads the draw through int64 pointers; the tag is read from any integer type, as fastmha's own
-// backward takes one.
+// torch's backward reads the draw through int64 pointers; where only the tag is read any integer type serves (the
+// backward ops themselves take int64 alone).
 void check_rng_state(const at::Tensor& rng_state, bool int64_only) {
   TORCH_CHECK(rng_state.numel() == 2 && (!int64_only || rng_state.scalar_type() == at::kLong),
               "fastmha: rng_state must hold 2 int64 values (seed, offset), got ", rng_state.sizes(), " ",
