@@ -200,10 +200,7 @@ void check_backward_inputs(const at::Tensor& grad_output, const at::Tensor& quer
   const std::vector<c10::SymInt> out_shape = {batch, heads, len_q, value.sym_size(3)};
   const std::pair<const at::Tensor*, const char*> outputs[] = {{&grad_output, "grad_output"}, {&output, "output"}};
   for (const auto& [t, name] : outputs) {
-    check_like_query(*t, name, query);
-    TORCH_CHECK(t->sym_sizes() == c10::SymIntArrayRef(out_shape), "fastmha: ", name,
-                " must have the forward output's shape (batch, h, Lq, d_v) = ", c10::SymIntArrayRef(out_shape),
-                ", got ", t->sym_sizes());
+    check_shaped_like_query(*t, name, query, out_shape, "the forward output's shape (batch, h, Lq, d_v)");
   }
   check_defined(logsumexp, "logsumexp");
   const std::vector<c10::SymInt> lse_shape = {batch, heads, len_q};
@@ -248,8 +245,7 @@ void check_grad_weights(const std::optional<at::Tensor>& grad_weights, const at:
 void check_shaped_like_query(const at::Tensor& t, const char* name, const at::Tensor& query, c10::SymIntArrayRef shape,
                              const char* what) {
   check_like_query(t, name, query);
-  TORCH_CHECK(t.sym_sizes() == shape, "fastmha: ", name, " must have shape ", what, " = ", shape, ", got ",
-              t.sym_sizes());
+  TORCH_CHECK(t.sym_sizes() == shape, "fastmha: ", name, " must have ", what, " = ", shape, ", got ", t.sym_sizes());
 }
 
 }  // namespace fastmha

@@ -53,8 +53,7 @@ void check_block_inputs(const at::Tensor& query, const at::Tensor& key, const at
                         const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o, int64_t num_heads,
                         const std::optional<at::Tensor>& mask, double dropout_p, const char* query_name = "query");
 
-// `t` in the query's dtype, on its device, of the given shape (`what` says what that shape is, e.g. "(batch, Lq,
-// d_model)").
+// `t` in the query's dtype, on its device, of the given shape (`what` names it, e.g. "shape (batch, Lq, d_model)").
 void check_shaped_like_query(const at::Tensor& t, const char* name, const at::Tensor& query, c10::SymIntArrayRef shape,
                              const char* what);
 

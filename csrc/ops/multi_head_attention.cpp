@@ -136,7 +136,7 @@ void check_block_backward_inputs(const at::Tensor& grad_output, const at::Tensor
   const std::vector<c10::SymInt> key_rows = {query.sym_size(0), key.sym_size(1), w_q.sym_size(0)};
   const auto check = [&](const at::Tensor& t, const char* name, bool on_query) {
     check_shaped_like_query(t, name, query, on_query ? query_rows : key_rows,
-                            on_query ? "(batch, Lq, d_model)" : "(batch, Lk, d_model)");
+                            on_query ? "shape (batch, Lq, d_model)" : "shape (batch, Lk, d_model)");
   };
   check(grad_output, "grad_output", true);
   check(query_proj, "query_proj", true);

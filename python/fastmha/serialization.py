@@ -16,14 +16,10 @@ def load_cpp_state_dict(path) -> Dict[str, Tensor]:
     """
     with torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag]):
         loaded = torch.load(path, weights_only=True)
-    if not isinstance(loaded, dict) or not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in loaded.items()):
-        raise ValueError(f"fastmha: {str(path)!r} holds no state dict (a dict of str to Tensor), got "
-                         f"{_describe(loaded)}")
+    no_state_dict = f"fastmha: {str(path)!r} holds no state dict (a dict of str to Tensor), got "
+    if not isinstance(loaded, dict):
+        raise ValueError(no_state_dict + type(loaded).__name__)
+    for key, value in loaded.items():
+        if not (isinstance(key, str) and isinstance(value, Tensor)):
+            raise ValueError(no_state_dict + f"a dict with entry {key!r}: {type(value).__name__}")
     return dict(loaded)
-
-
-def _describe(loaded) -> str:
-    if isinstance(loaded, dict):
-        bad = next(((k, v) for k, v in loaded.items() if not (isinstance(k, str) and isinstance(v, Tensor))))
-        return f"a dict with entry {bad[0]!r}: {type(bad[1]).__name__}"
-    return type(loaded).__name__
