@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 
 # 1. Debian packages: Catch2 (C++ tests), ccache (fast rebuilds), clang with its runtime (the libFuzzer
-#    target). Optional where apt is unavailable.
+#    target). Where apt is unavailable the build still runs; the test command's C++ steps then fail.
 missing=()
 for package in catch2 ccache clang libclang-rt-14-dev; do
   dpkg -s "$package" >/dev/null 2>&1 || missing+=("$package")
@@ -16,7 +16,7 @@ if ((${#missing[@]})); then
     echo "[setup] apt-get install ${missing[*]}"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   else
-    echo "[setup] warning: missing Debian packages ${missing[*]} (C++ tests or ccache will be skipped)"
+    echo "[setup] warning: missing Debian packages ${missing[*]} (without catch2 and clang the C++ test, sanitizer and fuzz steps of scripts/test.sh fail; without ccache rebuilds are slower)"
   fi
 fi
 

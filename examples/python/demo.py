@@ -6,7 +6,7 @@ alignment). The demo prints both step times and the speed-up, shows that both lo
 noise, decodes a few examples, draws the attention weights and the loss curves, saves the trained model as
 TorchScript, and runs the C++ `translate` example on it, checking that C++ and Python agree.
 
-    python examples/python/demo.py [--steps N] [--device cpu|cuda] [--dtype float32|bfloat16] [--out DIR]
+    python examples/python/demo.py [--steps N] [--device cpu|cuda] [--dtype float32|bfloat16|float64] [--out DIR]
 """
 
 import argparse

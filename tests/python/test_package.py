@@ -3,6 +3,7 @@
 import importlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -81,3 +82,15 @@ def test_info_command_reports_machine_and_smoke_tests():
     assert "smoke test cpu: ok" in out
     cpu_only = subprocess.run([sys.executable, "-m", "fastmha.info", "--cpu"], capture_output=True, text=True)
     assert cpu_only.returncode == 0 and cpu_only.stdout.startswith("cpu: ")
+
+
+def test_info_lists_every_run_time_switch_the_sources_read():
+    # A switch missing from the info command's list would be left out of bug reports.
+    from fastmha.info import ENVIRONMENT_SWITCHES
+    sources = Path(__file__).resolve().parents[2] / "csrc"
+    read = set()
+    for path in sources.rglob("*"):
+        if path.suffix in (".cpp", ".h", ".cu", ".cuh"):
+            read.update(re.findall(r'(?:getenv|switch_value)\("(FASTMHA_\w+)"\)', path.read_text()))
+    assert {"FASTMHA_CPU_KERNELS", "FASTMHA_CUDA_KERNELS"} <= read  # the scan finds what it looks for
+    assert read <= set(ENVIRONMENT_SWITCHES), sorted(read - set(ENVIRONMENT_SWITCHES))
