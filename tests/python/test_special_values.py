@@ -156,3 +156,42 @@ def test_saved_log_sum_exp_is_the_scaled_scores_with_nan_where_one_is_infinite(m
     assert lse.shape == (2, 3, 5) and lse.is_contiguous()
     assert lse[0, 1, 3].isnan() and torch.isfinite(lse[1]).all()
     torch.testing.assert_close(lse.double(), want, equal_nan=True, atol=2e-3, rtol=1e-3)
+
+
+def special_case(case):
+    """float64 over 600 keys (where `auto` runs torch's CPU flash kernel behind the contract layer), 4 queries."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 1, n, 8, dtype=torch.float64) for n in (4, 600, 600))
+    mask = None
+    if case in ("empty sequence, nan key", "empty sequence, inf key", "empty sequence, inf query"):
+        mask = (torch.arange(600) < torch.tensor([[600], [0]]))[:, None, None, :]  # batch 1 is all padding
+        if case == "empty sequence, inf query":
+            q[1, 0, 2, 0] = float("inf")
+        else:
+            k[1, 0, 5, 0] = float("nan") if case == "empty sequence, nan key" else float("inf")
+    else:  # every score of query row 1 is -inf; with a mask the hidden key's -1e9 wins the row
+        k[..., 0] = -k[..., 0].abs() - 0.5
+        q[0, 0, 1, 0] = float("inf")
+        if case == "all scores -inf, one key hidden":
+            mask = torch.ones(600, dtype=torch.bool)
+            mask[7] = False
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("kernels", ["stock", "own", "auto"])
+@pytest.mark.parametrize("case", ["empty sequence, nan key", "empty sequence, inf key", "empty sequence, inf query",
+                                  "all scores -inf", "all scores -inf, one key hidden"])
+def test_non_finite_inputs_give_the_oracle_on_every_kernel(monkeypatch, kernels, case):
+    # torch's kernel departs from the math only where a result is not finite (a zeroed query row meeting an
+    # infinite key, a row whose every score is -inf); the layer then runs fastmha's kernel.
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", kernels)
+    q, k, v, mask = special_case(case)
+    q, k, v = (x.requires_grad_(True) for x in (q, k, v))
+    out, _ = torch.ops.fastmha.attention(q, k, v, mask, 0.0, False, False)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    ref_out, _ = oracle_attention(q, k, v, mask)
+    ref_grads = torch.autograd.grad(ref_out, (q, k, v), grad_out)
+    torch.testing.assert_close(out, ref_out, equal_nan=True)
+    for name, got, want in zip("qkv", grads, ref_grads):
+        torch.testing.assert_close(got, want, equal_nan=True, msg=lambda m, name=name: f"grad {name}: {m}")

@@ -13,7 +13,6 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
-#include <initializer_list>
 #include <optional>
 
 #include "ops/attention_ops.h"
@@ -168,21 +167,53 @@ bool all_finite(const at::Tensor& t) {
   return finite;
 }
 
-// torch's kernel adds the mask as a -inf bias, which a NaN or infinite score at a hidden key turns into NaN, where
-// the contract replaces that score with -1e9. A masked call whose result from torch's kernel holds a NaN (rare:
-// non-finite inputs) runs again on fastmha's kernel, which gives the contract's result. The forward looks at the
-// log-sum-exp (NaN in such a row; Lq values a head), the backward at the gradients, each through its sum (NaN if
-// any element is: one read, no buffer); a sum that overflows only costs a rerun with the same result.
-bool stock_result_needs_own(const std::optional<at::Tensor>& mask, std::initializer_list<at::Tensor> results) {
-  if (!mask.has_value()) {
-    return false;
+// Whether `t` holds a NaN or an infinity: a half-type tensor read as bits, any other through its sum (NaN or
+// infinite if an element is: one read, no buffer; a sum that overflows only costs a rerun with the same result).
+bool holds_non_finite(const at::Tensor& t) {
+  const auto dtype = t.scalar_type();
+  if (dtype == at::kBFloat16 || dtype == at::kHalf) {
+    return !all_finite(t);
   }
-  for (const auto& t : results) {
-    if (std::isnan(t.sum().item<double>())) {
-      return true;
+  return !std::isfinite(t.sum().item<double>());
+}
+
+// Whether a log-sum-exp from torch's forward marks a row that its kernel computed otherwise than the math: NaN or
+// infinite, or exactly 0, which torch's CPU kernel writes, with a zero output row, for a row whose every score is
+// -inf (the math: NaN, or the hidden keys' values when the mask hides some, as their -1e9 beats -inf). A row whose
+// scores really give 0 only costs a rerun with the same result. `lse` is contiguous (B, H, Lq).
+bool stock_lse_needs_own(const at::Tensor& lse) {
+  bool needs_own = false;
+  AT_DISPATCH_FLOATING_TYPES(lse.scalar_type(), "fastmha_stock_lse_check", [&] {
+    const scalar_t* x = lse.const_data_ptr<scalar_t>();
+    for (int64_t i = 0; i < lse.numel() && !needs_own; ++i) {
+      needs_own = x[i] == scalar_t(0) || !std::isfinite(x[i]);
     }
-  }
-  return false;
+  });
+  return needs_own;
+}
+
+// torch's kernel, behind the contract layer, departs from the math only in rows of non-finite inputs or scores: a
+// NaN or infinite score at a hidden key makes its row NaN (the kernel adds the mask as a -inf bias; the contract
+// replaces the score with -1e9); a row with no visible key has its query zeroed, so an infinite or NaN key makes
+// its scores NaN; a row whose every score is -inf (above). Such a call runs again on fastmha's kernel, which gives
+// the contract's result: a forward whose log-sum-exp says so or whose output is not finite, a backward whose
+// gradients are not finite.
+bool stock_forward_needs_own(const detail::AttentionForwardResult& result) {
+  return stock_lse_needs_own(std::get<2>(result)) || holds_non_finite(std::get<0>(result));
+}
+
+bool stock_backward_needs_own(const std::tuple<at::Tensor, at::Tensor, at::Tensor>& grads) {
+  return holds_non_finite(std::get<0>(grads)) || holds_non_finite(std::get<1>(grads)) ||
+         holds_non_finite(std::get<2>(grads));
+}
+
+// Whether torch's backward may run at all: not from a non-finite log-sum-exp (a row of NaN weights), and under a
+// mask not with a non-finite query or key. The layer zeroes the query of a row with no visible key, whose key
+// gradient (0 * inf) is NaN in the math; and a row whose visible scores are all -inf gives its hidden keys all its
+// weight in the math, none in torch's kernel, with finite gradients either way.
+bool stock_backward_may_run(const std::optional<at::Tensor>& mask, const at::Tensor& query, const at::Tensor& key,
+                            const at::Tensor& logsumexp) {
+  return !holds_non_finite(logsumexp) && !(mask.has_value() && (holds_non_finite(query) || holds_non_finite(key)));
 }
 
 // The mask as bool, converted once per call: the kernel choice's estimate of the keys computed and whichever
@@ -210,7 +241,7 @@ detail::AttentionForwardResult attention_forward_kernel(const at::Tensor& query,
   const auto choice = choose_kernel_logged(call);
   if (choice.kernel == AttentionKernel::kStockCpu) {
     auto result = stock::attention_forward(query, key, value, mask, is_causal, std::nullopt);
-    if (!stock_result_needs_own(mask, {std::get<2>(result)})) {
+    if (!stock_forward_needs_own(result)) {
       return result;
     }
   }
@@ -284,10 +315,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
   AttentionCall call{query, key, value, mask, dropout_p, weights_kept(grad_weights), is_causal, Pass::kBackward};
   call.weights_at_hand = weights_serve;
   const auto choice = choose_kernel_logged(call);
-  if (choice.kernel == AttentionKernel::kStockCpu) {
+  if (choice.kernel == AttentionKernel::kStockCpu && stock_backward_may_run(mask, query, key, logsumexp)) {
     auto grads =
         stock::attention_backward(grad_output, query, key, value, mask, output, logsumexp, is_causal, std::nullopt);
-    if (!stock_result_needs_own(mask, {std::get<0>(grads), std::get<1>(grads), std::get<2>(grads)})) {
+    if (!stock_backward_needs_own(grads)) {
       return grads;
     }
   }
