@@ -18,9 +18,12 @@ __version__: str = build_info["version"]
 #: Prefix for CMake's find_package(fastmha): pass it in CMAKE_PREFIX_PATH (next to torch.utils.cmake_prefix_path).
 cmake_prefix_path: str = os.path.dirname(os.path.abspath(__file__))
 
+from . import _vmap_rules  # noqa: E402
 from .modules import MultiHeadAttentionBlock  # noqa: E402
 from .ops import attention, explain, multi_head_attention  # noqa: E402
 from .serialization import load_cpp_state_dict  # noqa: E402
+
+_vmap_rules.register()
 
 
 def release_cpu_buffers() -> None:

@@ -311,3 +311,45 @@ def test_a_tensor_subclass_weight_is_used_through_its_module():
     block.w_k.weight = ScaledWeight(weight / 4.0, 4.0)
     with torch.no_grad():
         torch.testing.assert_close(block(x, x, x, mask), oracle(x, x, x, mask)[0])
+
+
+def random_op_calls():
+    """The public ops with dropout 0.5, as functions of a query that vmap maps over (slices of (2, HEADS, 5, 4))."""
+    torch.manual_seed(1)
+    k, v = (torch.randn(2, HEADS, 6, 4) for _ in range(2))
+    x, memory = torch.randn(2, 5, D_MODEL), torch.randn(2, 6, D_MODEL)
+    ws = [torch.randn(D_MODEL, D_MODEL) / 4 for _ in range(4)]
+    return {
+        "attention": lambda q: torch.ops.fastmha.attention(q, k, v, None, 0.5, True, False),
+        "multi_head_attention": lambda q: torch.ops.fastmha.multi_head_attention(
+            x + q.transpose(1, 2).reshape(2, 5, D_MODEL), memory, memory, *ws, HEADS, None, 0.5, True, False),
+    }
+
+
+@pytest.mark.parametrize("op", ["attention", "multi_head_attention"])
+@pytest.mark.parametrize("randomness", ["error", "same", "different"])
+def test_vmap_of_the_ops_with_dropout_follows_randomness(op, randomness):
+    # As for torch's random ops: "error" (the default) raises, "same" gives every slice the mask the first call
+    # from this generator state draws, "different" the masks of one call per slice in turn.
+    call = random_op_calls()[op]
+    queries = torch.randn(3, 2, HEADS, 5, 4)
+    if randomness == "error":
+        with pytest.raises(RuntimeError, match=r"random operation while in randomness error mode.*dropout_p=0.5"):
+            vmap(call)(queries)
+        return
+    torch.manual_seed(7)
+    got = vmap(call, randomness=randomness)(queries)
+    after_vmap = torch.rand(4)
+    wanted = []
+    torch.manual_seed(7)
+    for query in queries:
+        start = torch.get_rng_state()
+        wanted.append(call(query))
+        if randomness == "same" and len(wanted) < len(queries):
+            torch.set_rng_state(start)
+    assert torch.equal(torch.rand(4), after_vmap)  # the generator moved as far as the calls above
+    for got_part, parts in zip(got, zip(*wanted)):
+        torch.testing.assert_close(got_part, torch.stack(parts))
+    drops = [(weights == 0) for weights in got[1]]
+    assert any(drop.any() for drop in drops)
+    assert all(torch.equal(drops[0], drop) for drop in drops) == (randomness == "same")
