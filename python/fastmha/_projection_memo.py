@@ -26,8 +26,9 @@ def _fingerprint(t: Tensor) -> tuple:
 
 
 def _bits(t: Tensor) -> Tensor:
-    # Integers of the same size: equality of bits (NaN equals itself, -0.0 differs from 0.0).
-    return t.detach().view(_SAME_SIZE_INTEGER[t.element_size()])
+    # Integers of the same size: equality of bits (NaN equals itself, -0.0 differs from 0.0). A negated view (whose
+    # bits torch does not reinterpret) is compared by the values it reads.
+    return t.detach().resolve_neg().view(_SAME_SIZE_INTEGER[t.element_size()])
 
 
 def can_hold(t: Tensor) -> bool:

@@ -536,6 +536,8 @@ class MultiHeadAttentionBlock(nn.Module):
             return None
         if mask is not None and (type(mask) is not Tensor or mask.device != k.device or mask.is_complex()):
             return None  # the block's op names what is wrong with a complex mask
+        if not isinstance(q, Tensor) or q.is_nested or q.layout != torch.strided:
+            return None  # the block's op names a nested or sparse query
         # Besides the sources, what decides the projections' bits; the mask and is_causal decide which keys are
         # projected (the block leaves out keys that no query sees, except with is_causal).
         settings = (torch.get_num_threads(), _matmul_precision(), torch.backends.mkldnn.enabled, self.is_causal)

@@ -202,6 +202,17 @@ def test_nested_inputs_are_named():
                                     True)
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+@pytest.mark.parametrize("reuse_projections", [True, False])
+def test_nested_query_of_the_block_is_named_without_grad(reuse_projections):
+    # Without grad the block looks for kept key and value projections first; a nested query still gets the op's error.
+    block = fastmha.MultiHeadAttentionBlock(4, 2, 0.0, reuse_projections=reuse_projections)
+    nested = torch.nested.nested_tensor([torch.randn(3, 4), torch.randn(5, 4)])
+    memory = torch.randn(2, 6, 4)
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"query must be a dense \(strided\) tensor, got a nested"):
+        block(nested, memory, memory)
+
+
 # Inference mode skips the autograd kernels, which ask the layout first elsewhere: each op must still name it.
 LAYOUT_CASES = {f"{op} {name}": (call, *cases[name]) for op, call, cases in [
     ("block", block_call, BLOCK_CASES), ("core", core_call, CORE_CASES), ("step", step_call, STEP_CASES)]

@@ -80,6 +80,19 @@ def test_profiler_sees_the_buffers():
     assert allocated >= B * H * L * L * 4
 
 
+@reuse_on
+def test_profiler_sees_a_reused_buffer_freed_as_large_as_it_was_taken():
+    # A kept buffer serves a request of down to half its size: the profiler must be told its own size both ways.
+    fastmha.release_cpu_buffers()
+    torch.ops.fastmha.attention(*inputs(0), None, 0.0, True)  # 8 MiB of weights, kept when freed
+    smaller = inputs(1, length=400)  # 5 MiB of weights: served by the kept buffer
+    with torch.profiler.profile(profile_memory=True) as prof:
+        torch.ops.fastmha.attention(*smaller, None, 0.0, True)
+    taken = sum(e.cpu_memory_usage for e in prof.events() if e.name == "fastmha::_attention_forward")
+    freed = -min(e.cpu_memory_usage for e in prof.events() if e.name == "[memory]")  # the weights, after the call
+    assert freed == B * H * L * L * 4 and taken >= freed
+
+
 def test_reuse_can_be_turned_off():
     code = ("import torch, fastmha; q = torch.randn(2, 4, 512, 32); "
             "torch.ops.fastmha.attention(q, q, q, None, 0.0, True); print(fastmha.cached_cpu_buffer_bytes())")

@@ -282,6 +282,23 @@ print("ok")
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
 
 
+def test_negated_views_as_key_value_and_mask():
+    # A negated view (the imaginary part of a conjugate) has bits that torch does not reinterpret; the memo compares
+    # the values it reads, and sees a change of its base.
+    reusing, fresh, _ = blocks()
+    base = torch.randn(2, 8, 32, dtype=torch.complex128)
+    memory = base.conj().imag
+    seen = (torch.arange(8) < 5).double().expand(2, 1, 1, 8)
+    mask = torch.complex(torch.zeros_like(seen), seen).conj().imag  # -1 (nonzero) where visible
+    assert memory.is_neg() and mask.is_neg()
+    for step in range(3):
+        x = torch.randn(2, 3 + step, 32, dtype=torch.float64)
+        with torch.no_grad():
+            got, want = reusing(x, memory, memory, mask), fresh(x, memory, memory, mask)
+        assert torch.equal(got, want)
+        base.imag.mul_(2)
+
+
 def test_is_causal_is_part_of_the_key():
     # With a padding mask the block projects only the keys some query sees, but with is_causal all of them: a
     # memo made without is_causal must not serve a call with it.

@@ -57,7 +57,8 @@ class BufferPool {
 
   // A buffer of at least `bytes`: a kept one of at most twice that (a big one is not spent on a small request),
   // else fresh memory; nullptr if none can be had.
-  void* take(size_t bytes) {
+  // A buffer of at least `bytes` and its capacity (a kept one may be up to twice as large), or nullptr.
+  std::pair<void*, size_t> take(size_t bytes) {
     void* data = nullptr;
     {
       std::lock_guard<std::mutex> lock(pool_mutex());
@@ -69,10 +70,10 @@ class BufferPool {
         }
       }
       if (best != kept_.end()) {
-        data = best->data;
-        kept_bytes_ -= best->capacity;
+        const Buffer found = *best;
+        kept_bytes_ -= found.capacity;
         kept_.erase(best);
-        return data;
+        return {found.data, found.capacity};
       }
     }
     data = fresh_buffer(bytes);
@@ -85,7 +86,7 @@ class BufferPool {
       capacity_[data] = bytes;
       reserved_ += bytes;
     }
-    return data;
+    return {data, bytes};
   }
 
   // Keeps the buffer at `data`, freeing the oldest kept ones beyond 16 buffers or 1 GiB; a buffer above 1 GiB,
@@ -189,14 +190,15 @@ class LargeBufferAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t bytes) override {
     // Whole huge pages, so a buffer can serve later requests of about the same size.
     const size_t capacity = std::max(kHugePage, (bytes + kHugePage - 1) & ~(kHugePage - 1));
-    void* data = pool().take(capacity);
+    const auto [data, taken] = pool().take(capacity);
     if (data == nullptr) {
       const auto [allocated, reserved] = pool().totals();
       c10::reportOutOfMemoryToProfiler(static_cast<int64_t>(capacity), allocated, reserved,
                                        c10::Device(c10::DeviceType::CPU));
       TORCH_CHECK(false, "fastmha: could not allocate ", capacity, " bytes of CPU memory");
     }
-    report_to_profiler(data, static_cast<int64_t>(capacity));
+    // The buffer's own capacity, which give_back reports freed.
+    report_to_profiler(data, static_cast<int64_t>(taken));
     return {data, data, &give_back, c10::Device(c10::DeviceType::CPU)};
   }
 
