@@ -5,7 +5,7 @@ import gc
 
 import pytest
 import torch
-from oracle import oracle_attention
+from oracle import OracleBlock, oracle_attention
 
 import fastmha
 
@@ -195,3 +195,42 @@ def test_non_finite_inputs_give_the_oracle_on_every_kernel(monkeypatch, kernels,
     torch.testing.assert_close(out, ref_out, equal_nan=True)
     for name, got, want in zip("qkv", grads, ref_grads):
         torch.testing.assert_close(got, want, equal_nan=True, msg=lambda m, name=name: f"grad {name}: {m}")
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+@pytest.mark.parametrize("value_entry", [float("inf"), float("nan")])
+@pytest.mark.parametrize("call", ["core", "block"])
+def test_a_loss_on_the_weights_alone_takes_nothing_from_a_non_finite_value(call, value_entry, create_graph):
+    # The value never reaches such a loss, so it cannot make the other gradients NaN (here at a key the mask hides,
+    # as a padded position might hold).
+    torch.manual_seed(0)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]])[:, None, None, :]
+    if call == "core":
+        q, k, v = (torch.randn(2, 2, n, 4, dtype=torch.float64) for n in (3, 5, 5))
+        v[1, :, 4] = value_entry
+        inputs = [q.requires_grad_(), k.requires_grad_(), v.requires_grad_()]
+        weights = torch.ops.fastmha.attention(*inputs, mask, 0.0, True, False)[1]
+        want_weights = oracle_attention(*inputs, mask)[1]
+    else:
+        block = fastmha.MultiHeadAttentionBlock(8, 2, 0.0).double()
+        oracle = OracleBlock(8, 2).double()
+        oracle.load_state_dict(block.state_dict())
+        x, memory = torch.randn(2, 3, 8, dtype=torch.float64), torch.randn(2, 5, 8, dtype=torch.float64)
+        value = memory.clone()
+        value[1, 4] = value_entry
+        inputs = [x.requires_grad_(), memory.requires_grad_(), block.w_q.weight, block.w_k.weight]
+        block(x, memory, value, mask)
+        weights = block.attention_scores
+        want_weights = oracle(x, memory, value, mask)[1]
+        inputs_of_oracle = [x, memory, oracle.w_q.weight, oracle.w_k.weight]
+    grad_weights = torch.randn_like(weights)
+    got = torch.autograd.grad(weights, inputs[:2] + inputs[2:], grad_weights, create_graph=create_graph,
+                              allow_unused=True)
+    want = torch.autograd.grad(want_weights, inputs if call == "core" else inputs_of_oracle, grad_weights,
+                               allow_unused=True)
+    for got_grad, want_grad in zip(got, want):
+        if want_grad is None:  # the value (core): no gradient, or zeros
+            assert got_grad is None or not got_grad.any()
+            continue
+        assert want_grad.isfinite().all()
+        torch.testing.assert_close(got_grad, want_grad)

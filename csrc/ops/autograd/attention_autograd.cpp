@@ -55,12 +55,18 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
       return {g[0], g[1], g[2], at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     }
     const auto grad_weights = detail::optional_if_defined(grads[1]);
-    const auto grad_output = grads[0].defined() ? grads[0] : at::zeros_like(saved[4]);
+    // When only the kept weights reach the loss, the output and the value take no part in the gradients: zeros
+    // stand for them (and for the output's gradient), so that a non-finite value makes no 0 * inf = NaN in
+    // dO V^T or in D = dO . O.
+    const bool output_reaches_loss = grads[0].defined();
+    const auto grad_output = output_reaches_loss ? grads[0] : at::zeros_like(saved[4]);
+    const auto value = output_reaches_loss ? saved[2] : at::zeros_like(saved[2]);
+    const auto output = output_reaches_loss ? saved[4] : grad_output;
     auto [grad_query, grad_key, grad_value] =
-        detail::attention_backward(grad_output, grad_weights, saved[0], saved[1], saved[2], mask, saved[4], saved[5],
+        detail::attention_backward(grad_output, grad_weights, saved[0], saved[1], value, mask, output, saved[5],
                                    saved[6], ctx->saved_data["dropout_p"].toDouble(),
                                    ctx->saved_data["is_causal"].toBool(), detail::optional_if_defined(saved[7]));
-    if (!grads[0].defined()) {
+    if (!output_reaches_loss) {
       grad_value = at::Tensor();  // only the kept weights reach the loss: no gradient (None), not zeros
     }
     return {grad_query, grad_key, grad_value, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};

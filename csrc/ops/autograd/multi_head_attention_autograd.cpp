@@ -111,15 +111,21 @@ class MultiHeadAttentionFunction : public torch::autograd::Function<MultiHeadAtt
     // The op sums the gradients of inputs that were one tensor in its products; a value whose gradient is dropped
     // below is not added in.
     const bool value_without_gradient = !grad_output.defined() && !grad_value_proj.defined();
-    // The output has the merged context's shape and dtype (w_o is d_model x d_model).
+    // When only the kept weights reach the loss, the output takes no part in the gradients, nor does the value
+    // projection in the core's: zeros stand for them, the merged context (the core's output) and the output's
+    // gradient (the context's shape and dtype: w_o is d_model x d_model), so that a non-finite value makes no
+    // 0 * inf = NaN in the core's dO V^T or D = dO . O. (A gradient that reached the value projection by another
+    // path is added to its gradient after the core's.)
+    const bool output_reaches_loss = grad_output.defined();
+    const auto zero_context = output_reaches_loss ? at::Tensor() : at::zeros_like(s[10]);
     auto [grad_query, grad_key, grad_value, grad_w_q, grad_w_k, grad_w_v, grad_w_o] =
         detail::multi_head_attention_backward(
-            grad_output.defined() ? grad_output : at::zeros_like(s[10]), detail::optional_if_defined(grad_weights),
-            s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9], s[10], s[11], s[12],
-            ctx->saved_data["num_heads"].toInt(), mask, ctx->saved_data["dropout_p"].toDouble(),
-            ctx->saved_data["is_causal"].toBool(), detail::optional_if_defined(s[14]),
-            detail::optional_if_defined(grad_query_proj), detail::optional_if_defined(grad_key_proj),
-            detail::optional_if_defined(grad_value_proj),
+            output_reaches_loss ? grad_output : zero_context, detail::optional_if_defined(grad_weights), s[0], s[1],
+            s[2], s[3], s[4], s[5], s[6], s[7], s[8], output_reaches_loss ? s[9] : at::zeros_like(s[9]),
+            output_reaches_loss ? s[10] : zero_context, s[11], s[12], ctx->saved_data["num_heads"].toInt(), mask,
+            ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["is_causal"].toBool(),
+            detail::optional_if_defined(s[14]), detail::optional_if_defined(grad_query_proj),
+            detail::optional_if_defined(grad_key_proj), detail::optional_if_defined(grad_value_proj),
             value_without_gradient ? shared & detail::kKeyIsQuery : shared);
     if (!grad_output.defined()) {
       // Only the kept weights reach the loss: w_o, and the value and w_v unless their projection has a gradient of
