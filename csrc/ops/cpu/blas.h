@@ -11,9 +11,11 @@
 
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 
 extern "C" {
@@ -240,6 +242,10 @@ inline void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T 
     small_rows_if_whole(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return;
   }
+  // The BLAS takes int sizes and leading dimensions: a larger one would be truncated into a wrong product.
+  TORCH_CHECK(std::max({m, n, k, lda, ldb, ldc}) <= std::numeric_limits<int>::max(),
+              "fastmha: a CPU product's sizes or row strides exceed the BLAS's int range: m=", m, ", n=", n, ", k=", k,
+              ", row strides ", lda, ", ", ldb, ", ", ldc);
   const char ta = trans_b ? 'T' : 'N', tb = trans_a ? 'T' : 'N';
   const int mi = static_cast<int>(n), ni = static_cast<int>(m), ki = static_cast<int>(k);
   // BLAS wants leading dimensions >= 1 even for empty operands.
