@@ -64,7 +64,7 @@ def cuda_compiler(torch):
     nvcc = find_nvcc()
     if nvcc is None:
         sys.exit(f"fastmha: torch {torch.__version__} has CUDA {torch.version.cuda}, but no CUDA compiler (nvcc) was "
-                 "found on PATH, in CUDA_HOME or in /usr/local/cuda. Install the CUDA toolkit of that major "
+                 "found in CUDA_HOME, CUDA_PATH or /usr/local/cuda, or on PATH. Install the CUDA toolkit of that major "
                  "version, or build the CPU kernels only with FASTMHA_WITH_CUDA=0.")
     return nvcc
 

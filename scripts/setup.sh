@@ -16,7 +16,8 @@ if ((${#missing[@]})); then
     echo "[setup] apt-get install ${missing[*]}"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   else
-    echo "[setup] warning: missing Debian packages ${missing[*]} (without catch2 and clang the C++ test, sanitizer and fuzz steps of scripts/test.sh fail; without ccache rebuilds are slower)"
+    echo "[setup] warning: missing Debian packages ${missing[*]}: without catch2 and clang the C++ test," \
+      "sanitizer and fuzz steps of scripts/test.sh fail; without ccache rebuilds are slower"
   fi
 fi
 

@@ -3,13 +3,15 @@
 Without a rule, vmap runs an op slice by slice and ignores its ``randomness`` argument. These rules run the op
 slice by slice too, and honour ``randomness`` as torch's own random ops do: ``"error"`` (vmap's default) raises for
 a call with dropout, ``"same"`` gives every slice the mask of the first (each slice starts from the same generator
-state, left where one call leaves it), ``"different"`` draws a mask per slice.
+state, left where one call leaves it), ``"different"`` draws a mask per slice. They apply where a tensor input is
+batched; a call whose inputs are all unbatched runs once, as outside vmap.
 """
 
 import torch
 
-# The ops with a dropout_p argument (multi_head_attention_step decomposes into _attention_forward).
-RANDOM_OPS = ("attention", "multi_head_attention", "_attention_forward", "_multi_head_attention_forward")
+# The ops with a dropout_p argument.
+RANDOM_OPS = ("attention", "multi_head_attention", "multi_head_attention_step", "_attention_forward",
+              "_multi_head_attention_forward")
 
 
 def _generator_state(device):
@@ -33,6 +35,8 @@ def _slice_by_slice(op):
             device = next(a.device for a in args if isinstance(a, torch.Tensor))
             state, set_state = _generator_state(device)
             restore = lambda: set_state(state)  # noqa: E731
+        if info.batch_size == 0:  # no slice to take the outputs' shapes from
+            raise RuntimeError(f"vmap: {op} does not support vmap over a dimension of size 0")
         results = []
         for i in range(info.batch_size):
             if restore is not None:

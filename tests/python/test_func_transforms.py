@@ -323,10 +323,19 @@ def random_op_calls():
         "attention": lambda q: torch.ops.fastmha.attention(q, k, v, None, 0.5, True, False),
         "multi_head_attention": lambda q: torch.ops.fastmha.multi_head_attention(
             x + q.transpose(1, 2).reshape(2, 5, D_MODEL), memory, memory, *ws, HEADS, None, 0.5, True, False),
+        # A decoding step over a cache of 6 positions; its dropout is seen in the output only.
+        "multi_head_attention_step": lambda q: torch.ops.fastmha.multi_head_attention_step(
+            x[:, :1] + q[:, :, :1].transpose(1, 2).reshape(2, 1, D_MODEL), *ws, HEADS, k, v, None, 0.5),
     }
 
 
-@pytest.mark.parametrize("op", ["attention", "multi_head_attention"])
+def test_vmap_of_the_ops_over_an_empty_dimension_is_refused_clearly():
+    call = random_op_calls()["attention"]
+    with pytest.raises(RuntimeError, match="does not support vmap over a dimension of size 0"):
+        vmap(call, randomness="different")(torch.randn(0, 2, HEADS, 5, 4))
+
+
+@pytest.mark.parametrize("op", ["attention", "multi_head_attention", "multi_head_attention_step"])
 @pytest.mark.parametrize("randomness", ["error", "same", "different"])
 def test_vmap_of_the_ops_with_dropout_follows_randomness(op, randomness):
     # As for torch's random ops: "error" (the default) raises, "same" gives every slice the mask the first call
@@ -350,6 +359,7 @@ def test_vmap_of_the_ops_with_dropout_follows_randomness(op, randomness):
     assert torch.equal(torch.rand(4), after_vmap)  # the generator moved as far as the calls above
     for got_part, parts in zip(got, zip(*wanted)):
         torch.testing.assert_close(got_part, torch.stack(parts))
-    drops = [(weights == 0) for weights in got[1]]
-    assert any(drop.any() for drop in drops)
-    assert all(torch.equal(drops[0], drop) for drop in drops) == (randomness == "same")
+    if op != "multi_head_attention_step":  # (the step keeps no weights)
+        drops = [(weights == 0) for weights in got[1]]
+        assert any(drop.any() for drop in drops)
+        assert all(torch.equal(drops[0], drop) for drop in drops) == (randomness == "same")

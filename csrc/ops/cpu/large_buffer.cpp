@@ -55,9 +55,8 @@ class BufferPool {
 #endif
   }
 
-  // A buffer of at least `bytes`: a kept one of at most twice that (a big one is not spent on a small request),
-  // else fresh memory; nullptr if none can be had.
-  // A buffer of at least `bytes` and its capacity (a kept one may be up to twice as large), or nullptr.
+  // A buffer of at least `bytes` and its capacity: a kept one of at most twice that (a big one is not spent on a
+  // small request), else fresh memory; nullptr if none can be had.
   std::pair<void*, size_t> take(size_t bytes) {
     void* data = nullptr;
     {
@@ -190,7 +189,7 @@ class LargeBufferAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t bytes) override {
     // Whole huge pages, so a buffer can serve later requests of about the same size.
     const size_t capacity = std::max(kHugePage, (bytes + kHugePage - 1) & ~(kHugePage - 1));
-    const auto [data, taken] = pool().take(capacity);
+    const auto [data, capacity_taken] = pool().take(capacity);
     if (data == nullptr) {
       const auto [allocated, reserved] = pool().totals();
       c10::reportOutOfMemoryToProfiler(static_cast<int64_t>(capacity), allocated, reserved,
@@ -198,7 +197,7 @@ class LargeBufferAllocator final : public c10::Allocator {
       TORCH_CHECK(false, "fastmha: could not allocate ", capacity, " bytes of CPU memory");
     }
     // The buffer's own capacity, which give_back reports freed.
-    report_to_profiler(data, static_cast<int64_t>(taken));
+    report_to_profiler(data, static_cast<int64_t>(capacity_taken));
     return {data, data, &give_back, c10::Device(c10::DeviceType::CPU)};
   }
 
