@@ -30,13 +30,13 @@ def _slice_by_slice(op):
             raise RuntimeError(
                 f"vmap: called random operation while in randomness error mode: {op} with dropout_p={dropout_p}. "
                 "Pass randomness='same' or 'different' to vmap, or call it outside vmap")
+        if info.batch_size == 0:  # no slice to take the outputs' shapes from
+            raise RuntimeError(f"vmap: {op} does not support vmap over a dimension of size 0")
         restore = None
         if dropout_p > 0 and info.randomness == "same":
             device = next(a.device for a in args if isinstance(a, torch.Tensor))
             state, set_state = _generator_state(device)
             restore = lambda: set_state(state)  # noqa: E731
-        if info.batch_size == 0:  # no slice to take the outputs' shapes from
-            raise RuntimeError(f"vmap: {op} does not support vmap over a dimension of size 0")
         results = []
         for i in range(info.batch_size):
             if restore is not None:

@@ -110,13 +110,13 @@ class MultiHeadAttentionFunction : public torch::autograd::Function<MultiHeadAtt
     }
     // The op sums the gradients of inputs that were one tensor in its products; a value whose gradient is dropped
     // below is not added in.
-    const bool value_without_gradient = !grad_output.defined() && !grad_value_proj.defined();
+    const bool output_reaches_loss = grad_output.defined();
+    const bool value_without_gradient = !output_reaches_loss && !grad_value_proj.defined();
     // When only the kept weights reach the loss, the output takes no part in the gradients, nor does the value
     // projection in the core's: zeros stand for them, the merged context (the core's output) and the output's
     // gradient (the context's shape and dtype: w_o is d_model x d_model), so that a non-finite value makes no
     // 0 * inf = NaN in the core's dO V^T or D = dO . O. (A gradient that reached the value projection by another
     // path is added to its gradient after the core's.)
-    const bool output_reaches_loss = grad_output.defined();
     const auto zero_context = output_reaches_loss ? at::Tensor() : at::zeros_like(s[10]);
     auto [grad_query, grad_key, grad_value, grad_w_q, grad_w_k, grad_w_v, grad_w_o] =
         detail::multi_head_attention_backward(
@@ -127,14 +127,14 @@ class MultiHeadAttentionFunction : public torch::autograd::Function<MultiHeadAtt
             detail::optional_if_defined(s[14]), detail::optional_if_defined(grad_query_proj),
             detail::optional_if_defined(grad_key_proj), detail::optional_if_defined(grad_value_proj),
             value_without_gradient ? shared & detail::kKeyIsQuery : shared);
-    if (!grad_output.defined()) {
+    if (!output_reaches_loss) {
       // Only the kept weights reach the loss: w_o, and the value and w_v unless their projection has a gradient of
       // its own, get no gradient (None, as in the textbook block), not zeros that an optimizer's decay and
       // momentum would act on.
       grad_w_o = at::Tensor();
-      if (!grad_value_proj.defined()) {
-        grad_value = grad_w_v = at::Tensor();
-      }
+    }
+    if (value_without_gradient) {
+      grad_value = grad_w_v = at::Tensor();
     }
     torch::autograd::variable_list grads_out = {grad_query, grad_key, grad_value, grad_w_q,
                                                 grad_w_k,   grad_w_v, grad_w_o};
