@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "ops/cpu/cpu_capability.h"
+#include "ops/cpu/onednn_linear.h"
 
 namespace fastmha {
 namespace {
@@ -82,9 +83,9 @@ at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight) {
 
 at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight, WidenedInputs& inputs) {
   if (!widened(x, weight)) {
-    return at::linear(x, weight);
+    return cpu::float_linear(x, weight);
   }
-  return at::linear(inputs.get(x), weight.to(at::kFloat)).to(x.scalar_type());
+  return cpu::float_linear(inputs.get(x), weight.to(at::kFloat)).to(x.scalar_type());
 }
 
 }  // namespace fastmha

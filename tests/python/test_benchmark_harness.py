@@ -209,6 +209,21 @@ def test_bench_double_backward_quick_run(tmp_path):
     assert "| 2 | 16 | 32 | 4 |" in out.with_suffix(".md").read_text()
 
 
+def test_bench_projections_quick_run(tmp_path):
+    out = tmp_path / "projections"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_projections.py"), "--quick", "--out", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [(r["part"], r.get("rows"), r.get("mode")) for r in rows] == [
+        ("products", 512, None), ("block", None, "forward"), ("block", None, "forward + backward")]
+    assert all(t > 0 for r in rows for t in r["ms"].values())
+    for r in rows:  # the BLAS's time over oneDNN's (products) or auto's (block)
+        blas, other = r["ms"].values()
+        assert r["ratio"] == pytest.approx(blas / other, abs=0.001)
+    page = out.with_suffix(".md").read_text()
+    assert "| 512 | 32 |" in page and "| 1 | 512 | forward |" in page and "AVX" in page
+
+
 def test_bench_compile_quick_run(tmp_path):
     out = tmp_path / "compile"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_compile.py"), "--quick", "--out", str(out)],

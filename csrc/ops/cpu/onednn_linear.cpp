@@ -1,0 +1,53 @@
+#include "ops/cpu/onednn_linear.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/DispatchKeySet.h>
+
+#include <optional>
+#include <vector>
+
+#include "ops/cpu/float_gemm.h"
+
+namespace fastmha::cpu {
+namespace {
+
+// torch's oneDNN linear; absent from builds without oneDNN.
+const std::optional<c10::OperatorHandle>& linear_op() {
+  static const std::optional<c10::OperatorHandle> op =
+      c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
+  return op;
+}
+
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight) {
+  std::vector<c10::IValue> stack{
+      x, weight, c10::IValue(), std::string("none"), c10::List<std::optional<at::Scalar>>(), c10::IValue()};
+  linear_op()->callBoxed(&stack);
+  return stack.front().toTensor();
+}
+
+// A dense CPU tensor of known sizes with no other dispatch key than those of every such tensor (autograd's,
+// autocast's): not fake, symbolic, functional, batched, wrapped by a transform, nested, or a negated or conjugated
+// view.
+bool plain_cpu(const at::Tensor& t) {
+  static const c10::DispatchKeySet plain({c10::DispatchKey::CPU, c10::DispatchKey::AutogradCPU,
+                                          c10::DispatchKey::ADInplaceOrView, c10::DispatchKey::AutocastCPU});
+  return t.defined() && !t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() && t.layout() == at::kStrided &&
+         plain.isSupersetOf(t.key_set());
+}
+
+}  // namespace
+
+bool linear_on_onednn(const at::Tensor& x, const at::Tensor& weight) {
+  if (!plain_cpu(x) || !plain_cpu(weight) || x.scalar_type() != at::kFloat || weight.scalar_type() != at::kFloat ||
+      x.dim() < 2 || weight.dim() != 2 || x.size(-1) != weight.size(1) || weight.size(0) == 0 || x.size(-1) == 0 ||
+      x.numel() / x.size(-1) < kFewestOnednnRows) {
+    return false;
+  }
+  return linear_op().has_value() && choose_float_products(float_gemm_mode()).on_brgemm;
+}
+
+at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight) {
+  return linear_on_onednn(x, weight) ? onednn_linear(x, weight) : at::linear(x, weight);
+}
+
+}  // namespace fastmha::cpu

@@ -1,0 +1,112 @@
+"""The block's float32 forward projections on oneDNN (FASTMHA_CPU_FLOAT_GEMM, csrc/ops/cpu/onednn_linear.h): x W^T
+runs there from 512 rows on where the switch puts float32 products on oneDNN, and the block gives the oracle's
+output and gradients on either GEMM, with shared or separate inputs and with padded rows (keys no query sees are
+projected apart, and the backward skips rows of zero gradient)."""
+
+import pytest
+import torch
+from conftest import TOLERANCES
+from oracle import OracleBlock
+from test_float_products import amd_with_avx512, brgemm_runs_here
+from torch.profiler import ProfilerActivity, profile
+
+import fastmha
+
+D_MODEL, HEADS = 32, 4
+ONEDNN_OP = "mkldnn::_linear_pointwise"
+
+
+def assert_close(actual, expected, dtype, name):
+    torch.testing.assert_close(actual.double(), expected.double(), **TOLERANCES[dtype], msg=lambda m: f"{name}: {m}")
+
+
+def onednn_calls(fn):
+    """fn's result and how many of torch's oneDNN linear calls it made."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        result = fn()
+    return result, sum(1 for event in prof.events() if event.name.startswith(ONEDNN_OP))
+
+
+def block_and_oracle():
+    block = fastmha.MultiHeadAttentionBlock(D_MODEL, HEADS, 0.0)
+    oracle = OracleBlock(D_MODEL, HEADS).double()
+    oracle.load_state_dict({name: t.double() for name, t in block.state_dict().items()})
+    return block, oracle
+
+
+def run(block, inputs, mask, loss_weights, dtype=torch.float32):
+    """Output and gradients of the inputs (a tensor given twice is one leaf) and of the four weights, in dtype."""
+    leaves = {id(t): t.detach().to(dtype).requires_grad_(True) for t in inputs}
+    out = block(*(leaves[id(t)] for t in inputs), mask)
+    out = out[0] if isinstance(out, tuple) else out
+    (out * loss_weights.to(dtype)).sum().backward()
+    grads = [leaf.grad for leaf in leaves.values()]
+    return [out] + grads + [getattr(block, n).weight.grad for n in ("w_q", "w_k", "w_v", "w_o")]
+
+
+def case(batch, length, sharing, padded):
+    torch.manual_seed(length + len(sharing))
+    x, memory = torch.randn(batch, length, D_MODEL), torch.randn(batch, length, D_MODEL)
+    inputs = {"self": (x, x, x), "cross": (x, memory, memory), "separate": (x, memory, memory * 2)}[sharing]
+    mask, loss_weights = None, torch.randn(batch, length, D_MODEL)
+    if padded:  # the loss reads the kept positions only: the padded rows (35%) get zero gradients, skipped
+        kept = torch.arange(length)[None, :] < torch.tensor([length * 2 // 3, length * 5 // 8])[:batch, None]
+        mask, loss_weights = kept[:, None, None, :].to(torch.int64), loss_weights * kept[..., None]
+    return inputs, mask, loss_weights
+
+
+@pytest.mark.parametrize("mode", ["blas", "brgemm"])
+@pytest.mark.parametrize("sharing", ["self", "cross", "separate"])
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
+def test_block_gives_the_oracle_on_either_gemm(monkeypatch, mode, sharing, padded):
+    monkeypatch.setenv("FASTMHA_CPU_FLOAT_GEMM", mode)
+    inputs, mask, loss_weights = case(2, 512, sharing, padded)
+    kept_inputs = [t.clone() for t in inputs]
+    block, oracle = block_and_oracle()
+    got, calls = onednn_calls(lambda: run(block, inputs, mask, loss_weights))
+    want = run(oracle, inputs, mask, loss_weights, torch.float64)
+    assert len(got) == len(want)
+    names = ["output"] + [f"grad of input {i}" for i in range(len(got) - 5)] + ["grad of w_q", "grad of w_k",
+                                                                                 "grad of w_v", "grad of w_o"]
+    for name, g, w in zip(names, got, want):
+        assert_close(g, w, torch.float32, name)
+    assert all(torch.equal(t, kept) for t, kept in zip(inputs, kept_inputs))
+    assert (calls > 0) == (mode == "brgemm" and brgemm_runs_here()), calls
+
+
+def test_auto_puts_projections_on_onednn_on_amd_processors_with_avx512_only(monkeypatch):
+    monkeypatch.delenv("FASTMHA_CPU_FLOAT_GEMM", raising=False)
+    inputs, mask, loss_weights = case(2, 512, "self", False)
+    _, calls = onednn_calls(lambda: run(block_and_oracle()[0], inputs, mask, loss_weights))
+    assert (calls > 0) == (amd_with_avx512() and brgemm_runs_here()), calls
+
+
+@pytest.mark.parametrize("why", ["511 rows", "float64", "oneDNN off"])
+def test_projections_stay_on_the_blas(monkeypatch, why):
+    """Below 512 rows (a new oneDNN kernel per length would cost more than it saves), in other dtypes, and with
+    torch's oneDNN turned off."""
+    monkeypatch.setenv("FASTMHA_CPU_FLOAT_GEMM", "brgemm")
+    inputs, mask, loss_weights = case(1, 511 if why == "511 rows" else 512, "self", False)
+    block, oracle = block_and_oracle()
+    if why == "float64":
+        block = block.double()
+    dtype = torch.float64 if why == "float64" else torch.float32
+    with torch.backends.mkldnn.flags(enabled=why != "oneDNN off"):
+        got, calls = onednn_calls(lambda: run(block, inputs, mask, loss_weights, dtype))
+    assert calls == 0
+    want = run(oracle, inputs, mask, loss_weights, torch.float64)
+    assert_close(got[0], want[0], got[0].dtype, "output")
+
+
+def test_compiled_block_matches_eager_on_onednn(monkeypatch):
+    """Under torch.compile the graph is traced with fake tensors, which stay on torch's linear; the compiled
+    call then runs on oneDNN and gives eager's numbers."""
+    monkeypatch.setenv("FASTMHA_CPU_FLOAT_GEMM", "brgemm")
+    torch._dynamo.reset()
+    inputs, mask, loss_weights = case(2, 512, "self", True)
+    block = block_and_oracle()[0]
+    eager = run(block, inputs, mask, loss_weights)
+    block.zero_grad()
+    compiled = run(torch.compile(block, backend="aot_eager", fullgraph=False), inputs, mask, loss_weights)
+    for i, (g, w) in enumerate(zip(compiled, eager)):
+        assert_close(g, w, torch.float32, f"result {i}")
