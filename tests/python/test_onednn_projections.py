@@ -5,6 +5,7 @@ projected apart, and the backward skips rows of zero gradient)."""
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 from conftest import TOLERANCES
 from oracle import OracleBlock
 from test_float_products import amd_with_avx512, brgemm_runs_here
@@ -110,3 +111,49 @@ def test_compiled_block_matches_eager_on_onednn(monkeypatch):
     compiled = run(torch.compile(block, backend="aot_eager", fullgraph=False), inputs, mask, loss_weights)
     for i, (g, w) in enumerate(zip(compiled, eager)):
         assert_close(g, w, torch.float32, f"result {i}")
+
+
+def step_output(x, block):
+    """The decoding step over x without a cache (causal self-attention over its rows): a composite op, whose
+    products autograd records."""
+    weights = [getattr(block, n).weight for n in ("w_q", "w_k", "w_v", "w_o")]
+    return torch.ops.fastmha.multi_head_attention_step(x, *weights, HEADS, None, None, None, 0.0)[0]
+
+
+def causal(x):
+    return torch.ones(x.size(1), x.size(1), dtype=torch.bool).tril()
+
+
+@pytest.mark.parametrize("mode", ["blas", "brgemm"])
+def test_decoding_step_of_many_rows_keeps_its_gradients(monkeypatch, mode):
+    """torch's oneDNN linear has no derivative: where autograd records the step's products they stay torch's
+    linear, and under no_grad they run on oneDNN."""
+    monkeypatch.setenv("FASTMHA_CPU_FLOAT_GEMM", mode)
+    (x, _, _), _, loss_weights = case(2, 300, "self", False)
+    block, oracle = block_and_oracle()
+    leaf = x.clone().requires_grad_(True)
+    out = step_output(leaf, block)
+    (out * loss_weights).sum().backward()
+    got = [out, leaf.grad] + [getattr(block, n).weight.grad for n in ("w_q", "w_k", "w_v", "w_o")]
+    want = run(oracle, (x, x, x), causal(x), loss_weights, torch.float64)
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g is not None, f"result {i} has no gradient"
+        assert_close(g, w, torch.float32, f"result {i}")
+    with torch.no_grad():
+        no_grad_out, calls = onednn_calls(lambda: step_output(x, block))
+    assert_close(no_grad_out, want[0], torch.float32, "output under no_grad")
+    assert (calls > 0) == (mode == "brgemm" and brgemm_runs_here()), calls
+
+
+def test_decoding_step_of_many_rows_keeps_its_forward_mode_tangent(monkeypatch):
+    monkeypatch.setenv("FASTMHA_CPU_FLOAT_GEMM", "brgemm")
+    (x, _, _), _, _ = case(2, 300, "self", False)
+    tangent = torch.randn_like(x)
+    block, oracle = block_and_oracle()
+    with torch.no_grad(), fwAD.dual_level():  # dual tensors are plain tensors carrying a tangent
+        got = fwAD.unpack_dual(step_output(fwAD.make_dual(x, tangent), block)).tangent
+    with torch.no_grad():
+        _, want = torch.func.jvp(lambda t: oracle(t, t, t, causal(x))[0], (x.double(),), (tangent.double(),))
+    assert got is not None
+    assert_close(got, want, torch.float32, "tangent")

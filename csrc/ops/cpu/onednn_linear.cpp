@@ -2,6 +2,7 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/DispatchKeySet.h>
+#include <c10/core/GradMode.h>
 
 #include <optional>
 #include <vector>
@@ -35,12 +36,18 @@ bool plain_cpu(const at::Tensor& t) {
          plain.isSupersetOf(t.key_set());
 }
 
+// Whether autograd would record a product of t: torch's oneDNN op has no derivative, so such a product (a
+// composite op's, the decoding step's, under grad mode or forward-mode AD) takes at::linear.
+bool recorded(const at::Tensor& t) {
+  return (at::GradMode::is_enabled() && t.requires_grad()) || t._fw_grad(/*level=*/0).defined();
+}
+
 }  // namespace
 
 bool linear_on_onednn(const at::Tensor& x, const at::Tensor& weight) {
-  if (!plain_cpu(x) || !plain_cpu(weight) || x.scalar_type() != at::kFloat || weight.scalar_type() != at::kFloat ||
-      x.dim() < 2 || weight.dim() != 2 || x.size(-1) != weight.size(1) || weight.size(0) == 0 || x.size(-1) == 0 ||
-      x.numel() / x.size(-1) < kFewestOnednnRows) {
+  if (!plain_cpu(x) || !plain_cpu(weight) || recorded(x) || recorded(weight) || x.scalar_type() != at::kFloat ||
+      weight.scalar_type() != at::kFloat || x.dim() < 2 || weight.dim() != 2 || x.size(-1) != weight.size(1) ||
+      weight.size(0) == 0 || x.size(-1) == 0 || x.numel() / x.size(-1) < kFewestOnednnRows) {
     return false;
   }
   return linear_op().has_value() && choose_float_products(float_gemm_mode()).on_brgemm;

@@ -19,8 +19,9 @@ namespace fastmha::cpu {
 constexpr int64_t kFewestOnednnRows = 512;
 
 // Whether x W^T (x: (..., d_in), weight: (d_out, d_in)) runs on oneDNN: both plain float32 CPU tensors (not
-// fake, functional, batched or otherwise wrapped, nor a negated view), kFewestOnednnRows rows of x or more, the
-// switch puts float32 products on oneDNN and torch carries the op.
+// fake, functional, batched or otherwise wrapped, nor a negated view) that autograd does not record (the op has no
+// derivative), kFewestOnednnRows rows of x or more, the switch puts float32 products on oneDNN and torch carries
+// the op.
 bool linear_on_onednn(const at::Tensor& x, const at::Tensor& weight);
 
 // x W^T, on oneDNN where linear_on_onednn says so and by at::linear elsewhere.
