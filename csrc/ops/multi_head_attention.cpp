@@ -245,13 +245,16 @@ TORCH_LIBRARY_FRAGMENT(fastmha, m) {
       "Tensor? grad_key_proj=None, Tensor? grad_value_proj=None, int shared_inputs=0) -> "
       "(Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_w_q, Tensor grad_w_k, Tensor grad_w_v, "
       "Tensor grad_w_o)");
-  // For the block's reuse of key and value projections kept from an earlier call (python/fastmha/modules.py).
+  // For the block's reuse of key and value projections kept from an earlier call (python/fastmha/modules.py),
+  // which computes the query and output projections as the block's op does, to the bit.
   m.def("_unseen_keys_weigh_zero(Tensor logsumexp, int len_k) -> bool");
+  m.def("_projection(Tensor x, Tensor weight) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fastmha, CompositeExplicitAutograd, m) {
   m.impl("multi_head_attention", &multi_head_attention_composite);
   m.impl("_unseen_keys_weigh_zero", &unseen_keys_weigh_zero);
+  m.impl("_projection", [](const at::Tensor& x, const at::Tensor& weight) { return widened_linear(x, weight); });
   m.impl("_multi_head_attention_forward", &multi_head_attention_forward_kernel);
   m.impl("_multi_head_attention_backward", &multi_head_attention_backward_kernel);
 }

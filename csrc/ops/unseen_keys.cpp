@@ -107,7 +107,8 @@ std::optional<KeyRows> split_key_rows(const std::optional<at::Tensor>& mask, con
 }
 
 void project_rows_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& rows) {
-  out.view({-1, weight.size(0)}).index_copy_(0, rows, widened_linear(flatten_rows(x).index_select(0, rows), weight));
+  out.view({-1, weight.size(0)})
+      .index_copy_(0, rows, widened_linear_of_varying_rows(flatten_rows(x).index_select(0, rows), weight));
 }
 
 at::Tensor project_rows(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& rows) {

@@ -30,6 +30,16 @@ bool fp32_matmul_may_round_to_bfloat16() {
   }
 }
 
+// x W^T, widened where widened() says so, and on oneDNN where cpu::float_linear puts it if `may_take_onednn`.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, WidenedInputs& inputs, bool may_take_onednn) {
+  const auto product =
+      may_take_onednn ? cpu::float_linear : [](const at::Tensor& a, const at::Tensor& b) { return at::linear(a, b); };
+  if (!widened(x, weight)) {
+    return product(x, weight);
+  }
+  return product(inputs.get(x), weight.to(at::kFloat)).to(x.scalar_type());
+}
+
 }  // namespace
 
 bool widens_products(at::ScalarType dtype, const at::Device& device) {
@@ -82,10 +92,12 @@ at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight) {
 }
 
 at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight, WidenedInputs& inputs) {
-  if (!widened(x, weight)) {
-    return cpu::float_linear(x, weight);
-  }
-  return cpu::float_linear(inputs.get(x), weight.to(at::kFloat)).to(x.scalar_type());
+  return linear(x, weight, inputs, /*may_take_onednn=*/true);
+}
+
+at::Tensor widened_linear_of_varying_rows(const at::Tensor& x, const at::Tensor& weight) {
+  WidenedInputs none({});
+  return linear(x, weight, none, /*may_take_onednn=*/false);
 }
 
 }  // namespace fastmha

@@ -49,5 +49,8 @@ class WidenedInputs {
 at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight);
 // The same with x's copy from `inputs`.
 at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight, WidenedInputs& inputs);
+// x W^T for a row count that changes from call to call (the keys of a padded batch that some query sees): as
+// widened_linear, but never on oneDNN, which would compile a kernel for each new count (cpu/onednn_linear.h).
+at::Tensor widened_linear_of_varying_rows(const at::Tensor& x, const at::Tensor& weight);
 
 }  // namespace fastmha

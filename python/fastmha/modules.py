@@ -2,17 +2,16 @@
 
 import math
 import numbers
+import os
 import warnings
 from typing import Callable, List, Optional, Tuple, TypeVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.nn.modules import module as module_hooks
 
-from . import _C
 from . import _any_rank, _module_checks
 from ._projection_memo import ProjectionMemo, can_hold
 
@@ -21,17 +20,11 @@ _HALF_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def _projection(x: Tensor, weight: Tensor) -> Tensor:
-    """x W^T as the block's op computes it: a half type on a CPU that does not multiply it natively is widened to
-    float32 and the product rounded once (torch's half-type products there are several times slower), except for
-    a few rows. The rule is the op's own, from _C.cpu_widens_products."""
-    name = _HALF_NAMES.get(x.dtype)
-    rows = math.prod(x.shape[:-1])  # all dimensions but the last, as the op counts them
+    """x W^T as the block's op computes it, bit for bit: the op's own product (widened to float32 for a half type
+    that the CPU does not multiply natively, on oneDNN where FASTMHA_CPU_FLOAT_GEMM puts float32 products there)."""
     # Detached: torch's matmul picks its product for a non-contiguous x by whether an operand requires grad, and the
     # op, below autograd, sees none that does; the bits must be the op's.
-    x, weight = x.detach(), weight.detach()
-    if x.device.type == "cpu" and name is not None and weight.dtype == x.dtype and _C.cpu_widens_products(name, rows):
-        return F.linear(x.float(), weight.float()).to(x.dtype)
-    return F.linear(x, weight)
+    return torch.ops.fastmha._projection(x.detach(), weight.detach())
 
 
 def _split_heads(x: Tensor, h: int) -> Tensor:
@@ -540,7 +533,8 @@ class MultiHeadAttentionBlock(nn.Module):
             return None  # the block's op names a nested or sparse query
         # Besides the sources, what decides the projections' bits; the mask and is_causal decide which keys are
         # projected (the block leaves out keys that no query sees, except with is_causal).
-        settings = (torch.get_num_threads(), _matmul_precision(), torch.backends.mkldnn.enabled, self.is_causal)
+        settings = (torch.get_num_threads(), _matmul_precision(), torch.backends.mkldnn.enabled, self.is_causal,
+                    os.environ.get("FASTMHA_CPU_FLOAT_GEMM"))
         projections = self._projection_memo.lookup(sources, settings, mask)
         if projections is None:
             output, attention_weights, _, key_proj, value_proj, _, _, _ = (

@@ -3,6 +3,8 @@ runs there from 512 rows on where the switch puts float32 products on oneDNN, an
 output and gradients on either GEMM, with shared or separate inputs and with padded rows (keys no query sees are
 projected apart, and the backward skips rows of zero gradient)."""
 
+import os
+
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -72,7 +74,9 @@ def test_block_gives_the_oracle_on_either_gemm(monkeypatch, mode, sharing, padde
     for name, g, w in zip(names, got, want):
         assert_close(g, w, torch.float32, name)
     assert all(torch.equal(t, kept) for t, kept in zip(inputs, kept_inputs))
-    assert (calls > 0) == (mode == "brgemm" and brgemm_runs_here()), calls
+    # The forward's four projections; with padding, the keys and values that some query sees are projected apart,
+    # a row count that changes from batch to batch, so on the BLAS (a new oneDNN kernel per count would cost more).
+    assert calls == ((2 if padded else 4) if mode == "brgemm" and brgemm_runs_here() else 0), calls
 
 
 def test_auto_puts_projections_on_onednn_on_amd_processors_with_avx512_only(monkeypatch):
@@ -108,9 +112,11 @@ def test_compiled_block_matches_eager_on_onednn(monkeypatch):
     block = block_and_oracle()[0]
     eager = run(block, inputs, mask, loss_weights)
     block.zero_grad()
-    compiled = run(torch.compile(block, backend="aot_eager", fullgraph=False), inputs, mask, loss_weights)
+    compiled, calls = onednn_calls(
+        lambda: run(torch.compile(block, backend="aot_eager", fullgraph=False), inputs, mask, loss_weights))
     for i, (g, w) in enumerate(zip(compiled, eager)):
         assert_close(g, w, torch.float32, f"result {i}")
+    assert (calls > 0) == brgemm_runs_here(), calls
 
 
 def step_output(x, block):
@@ -157,3 +163,41 @@ def test_decoding_step_of_many_rows_keeps_its_forward_mode_tangent(monkeypatch):
         _, want = torch.func.jvp(lambda t: oracle(t, t, t, causal(x))[0], (x.double(),), (tangent.double(),))
     assert got is not None
     assert_close(got, want, torch.float32, "tangent")
+
+
+def test_decoding_step_of_many_rows_under_autocast_keeps_the_cast(monkeypatch):
+    """torch's oneDNN op has no autocast rule: under CPU autocast the step's products stay torch's linear, which
+    autocast casts, so its cache has the autocast dtype and the next step takes it."""
+    monkeypatch.setenv("FASTMHA_CPU_FLOAT_GEMM", "brgemm")
+    block = block_and_oracle()[0].eval()
+    torch.manual_seed(5)
+    prefix, token = torch.randn(1, 512, D_MODEL), torch.randn(1, 1, D_MODEL)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out, cache = block.forward_step(prefix)
+        assert out.dtype == cache[0].dtype == cache[1].dtype == torch.bfloat16
+        out, cache = block.forward_step(token, cache)
+    assert out.dtype == torch.bfloat16 and cache[0].shape[-2] == 513
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("mode", ["blas", "brgemm"])
+def test_reused_projections_match_a_fresh_block_bit_for_bit(monkeypatch, dtype, mode):
+    """The block's reuse of kept key and value projections computes the query and output projections as its op
+    does (on oneDNN from 512 rows where the switch says so, after widening a half type where the CPU does), so a
+    reusing block gives a fresh one's bits; a switch change between calls projects again."""
+    monkeypatch.setenv("FASTMHA_CPU_FLOAT_GEMM", mode)
+    torch.manual_seed(6)
+    reusing = fastmha.MultiHeadAttentionBlock(D_MODEL, HEADS, 0.0).eval().to(dtype)
+    fresh = fastmha.MultiHeadAttentionBlock(D_MODEL, HEADS, 0.0, reuse_projections=False).eval().to(dtype)
+    fresh.load_state_dict(reusing.state_dict())
+    memory = torch.randn(1, 600, D_MODEL, dtype=dtype)
+    with torch.no_grad():
+        for step, length in enumerate((600, 600, 700, 700)):
+            if step == 3:  # kept under one GEMM, asked for under the other
+                monkeypatch.setenv("FASTMHA_CPU_FLOAT_GEMM", "blas" if mode == "brgemm" else "brgemm")
+            x = torch.randn(1, length, D_MODEL, dtype=dtype)
+            (got, calls), want = onednn_calls(lambda: reusing(x, memory, memory)), fresh(x, memory, memory)
+            assert torch.equal(got, want), (step, (got - want).abs().max())
+            widened_or_float = dtype == torch.float32 or fastmha._C.cpu_widens_products("float16", length)
+            on_onednn = os.environ["FASTMHA_CPU_FLOAT_GEMM"] == "brgemm" and brgemm_runs_here() and widened_or_float
+            assert (calls > 0) == on_onednn, (step, calls)

@@ -101,3 +101,18 @@ def test_opcheck_multi_head_attention_step(device, with_cache):
     ws = [torch.randn(8, 8, device=device, dtype=torch.float64, requires_grad=True) for _ in range(4)]
     cache = [torch.randn(2, 2, 5, 4, device=device, dtype=torch.float64) for _ in range(2)] if with_cache else [None, None]
     torch.library.opcheck(OPS.multi_head_attention_step.default, (x, *ws, 2, *cache, None, 0.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_opcheck_projection(device, dtype):
+    """The block's own x W^T, which its reuse of kept projections calls (from 512 rows on oneDNN where the switch
+    says so)."""
+    for rows in (3, 600):
+        x = torch.randn(2, rows, 8, device=device, dtype=dtype)
+        torch.library.opcheck(OPS._projection.default, (x, torch.randn(6, 8, device=device, dtype=dtype)))
+
+
+def test_projection_op_has_no_derivative():
+    x, w = torch.randn(2, 3, 8, requires_grad=True), torch.randn(6, 8)
+    with pytest.raises(RuntimeError, match="derivative for fastmha::_projection is not implemented"):
+        OPS._projection(x, w).sum().backward()

@@ -69,8 +69,8 @@ def test_decoding_loop_matches_recomputation_bit_for_bit(device, dtype, need_wei
             # synchronize the device each call).
             reused = device == "cpu" and length > 1
             # With a mask, the kept projections may leave out unseen keys: the call checks they weigh nothing.
-            assert counter.names == (["_attention_forward", "_unseen_keys_weigh_zero"] if reused
-                                     else ["_multi_head_attention_forward"])
+            assert counter.names == (["_projection", "_attention_forward", "_unseen_keys_weigh_zero", "_projection"]
+                                     if reused else ["_multi_head_attention_forward"])
             expected = fresh(x, memory, memory, mask)
             assert torch.equal(out, expected)
             if need_weights:
@@ -298,7 +298,7 @@ def test_negated_views_as_key_value_and_mask():
             want = fresh(x, memory, memory, mask)
         assert torch.equal(got, want)
         # Kept at the first call, reused at the second; the base changed after it, so the third projects again.
-        assert ran == (["_attention_forward", "_unseen_keys_weigh_zero"] if step == 1
+        assert ran == (["_projection", "_attention_forward", "_unseen_keys_weigh_zero", "_projection"] if step == 1
                        else ["_multi_head_attention_forward"])
         if step == 1:
             base.imag.mul_(2)

@@ -10,7 +10,7 @@ namespace fastmha {
 
 TORCH_LIBRARY_IMPL(fastmha, Autograd, m) {
   for (const char* op : {"_attention_forward", "_attention_backward", "_multi_head_attention_forward",
-                         "_multi_head_attention_backward", "_dropout_multipliers"}) {
+                         "_multi_head_attention_backward", "_dropout_multipliers", "_projection"}) {
     m.impl(op, torch::autograd::autogradNotImplementedFallback());
   }
 }

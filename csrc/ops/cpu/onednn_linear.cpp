@@ -1,5 +1,6 @@
 #include "ops/cpu/onednn_linear.h"
 
+#include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/DispatchKeySet.h>
 #include <c10/core/GradMode.h>
@@ -42,12 +43,17 @@ bool recorded(const at::Tensor& t) {
   return (at::GradMode::is_enabled() && t.requires_grad()) || t._fw_grad(/*level=*/0).defined();
 }
 
+// Whether CPU autocast would cast a product here: torch's oneDNN op has no autocast rule, so such a product (a
+// composite op's, the decoding step's; the block's op casts its inputs before its kernel) takes at::linear.
+bool autocast_on() { return at::autocast::is_autocast_enabled(at::kCPU); }
+
 }  // namespace
 
 bool linear_on_onednn(const at::Tensor& x, const at::Tensor& weight) {
-  if (!plain_cpu(x) || !plain_cpu(weight) || recorded(x) || recorded(weight) || x.scalar_type() != at::kFloat ||
-      weight.scalar_type() != at::kFloat || x.dim() < 2 || weight.dim() != 2 || x.size(-1) != weight.size(1) ||
-      weight.size(0) == 0 || x.size(-1) == 0 || x.numel() / x.size(-1) < kFewestOnednnRows) {
+  if (!plain_cpu(x) || !plain_cpu(weight) || recorded(x) || recorded(weight) || autocast_on() ||
+      x.scalar_type() != at::kFloat || weight.scalar_type() != at::kFloat || x.dim() < 2 || weight.dim() != 2 ||
+      x.size(-1) != weight.size(1) || weight.size(0) == 0 || x.size(-1) == 0 ||
+      x.numel() / x.size(-1) < kFewestOnednnRows) {
     return false;
   }
   return linear_op().has_value() && choose_float_products(float_gemm_mode()).on_brgemm;
