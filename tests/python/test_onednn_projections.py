@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
-from conftest import TOLERANCES
+from conftest import TOLERANCES, OpCounter
 from oracle import OracleBlock
 from test_float_products import amd_with_avx512, brgemm_runs_here
 from torch.profiler import ProfilerActivity, profile
@@ -187,17 +187,23 @@ def test_reused_projections_match_a_fresh_block_bit_for_bit(monkeypatch, dtype, 
     reusing block gives a fresh one's bits; a switch change between calls projects again."""
     monkeypatch.setenv("FASTMHA_CPU_FLOAT_GEMM", mode)
     torch.manual_seed(6)
-    reusing = fastmha.MultiHeadAttentionBlock(D_MODEL, HEADS, 0.0).eval().to(dtype)
-    fresh = fastmha.MultiHeadAttentionBlock(D_MODEL, HEADS, 0.0, reuse_projections=False).eval().to(dtype)
+    d_model = 256  # at 32 or 64 features both GEMMs happen to give the same bits
+    reusing = fastmha.MultiHeadAttentionBlock(d_model, HEADS, 0.0).eval().to(dtype)
+    fresh = fastmha.MultiHeadAttentionBlock(d_model, HEADS, 0.0, reuse_projections=False).eval().to(dtype)
     fresh.load_state_dict(reusing.state_dict())
-    memory = torch.randn(1, 600, D_MODEL, dtype=dtype)
+    memory = torch.randn(1, 600, d_model, dtype=dtype)
     with torch.no_grad():
         for step, length in enumerate((600, 600, 700, 700)):
             if step == 3:  # kept under one GEMM, asked for under the other
                 monkeypatch.setenv("FASTMHA_CPU_FLOAT_GEMM", "blas" if mode == "brgemm" else "brgemm")
-            x = torch.randn(1, length, D_MODEL, dtype=dtype)
-            (got, calls), want = onednn_calls(lambda: reusing(x, memory, memory)), fresh(x, memory, memory)
+            x = torch.randn(1, length, d_model, dtype=dtype)
+            counter = OpCounter()
+            with counter:
+                got, calls = onednn_calls(lambda: reusing(x, memory, memory))
+            want = fresh(x, memory, memory)
             assert torch.equal(got, want), (step, (got - want).abs().max())
+            projected = step in (0, 3)  # the first call, and the first after the switch changed
+            assert ("_multi_head_attention_forward" in counter.names) == projected, (step, counter.names)
             widened_or_float = dtype == torch.float32 or fastmha._C.cpu_widens_products("float16", length)
             on_onednn = os.environ["FASTMHA_CPU_FLOAT_GEMM"] == "brgemm" and brgemm_runs_here() and widened_or_float
             assert (calls > 0) == on_onednn, (step, calls)

@@ -1,7 +1,7 @@
 // The block's float32 forward projections x W^T on oneDNN's inner product (torch's mkldnn::_linear_pointwise op)
 // instead of the BLAS's sgemm, where FASTMHA_CPU_FLOAT_GEMM puts float32 products on oneDNN (float_gemm.h: by
 // default AMD processors with AVX-512, on which MKL runs no AVX-512 code). On Zen 4 x W^T took 0.79-0.95x its
-// sgemm time from 512 rows (256-1024 features), and the block's forward 0.87-0.98x.
+// sgemm time from 512 rows (256-1024 features).
 // The backward's products stay on the BLAS: on oneDNN its input gradients g W gained 0-2% of the block's forward +
 // backward (within noise) and its weight gradients g^T x measured slower.
 //
@@ -20,8 +20,8 @@ constexpr int64_t kFewestOnednnRows = 512;
 
 // Whether x W^T (x: (..., d_in), weight: (d_out, d_in)) runs on oneDNN: both plain float32 CPU tensors (not
 // fake, functional, batched or otherwise wrapped, nor a negated view) that autograd does not record (the op has no
-// derivative), outside CPU autocast (the op has no autocast rule), kFewestOnednnRows rows of x or more, the switch
-// puts float32 products on oneDNN and torch carries the op. Half types widened to float32 count as float32.
+// derivative), where CPU autocast would not cast it (the op has no autocast rule), kFewestOnednnRows rows of x or more,
+// the switch puts float32 products on oneDNN and torch carries the op. Half types widened to float32 count as float32.
 bool linear_on_onednn(const at::Tensor& x, const at::Tensor& weight);
 
 // x W^T, on oneDNN where linear_on_onednn says so and by at::linear elsewhere.
