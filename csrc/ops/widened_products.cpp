@@ -32,8 +32,9 @@ bool fp32_matmul_may_round_to_bfloat16() {
 
 // x W^T, widened where widened() says so, and on oneDNN where cpu::float_linear puts it if `may_take_onednn`.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, WidenedInputs& inputs, bool may_take_onednn) {
-  const auto product =
-      may_take_onednn ? cpu::float_linear : [](const at::Tensor& a, const at::Tensor& b) { return at::linear(a, b); };
+  const auto product = [&](const at::Tensor& a, const at::Tensor& b) {
+    return may_take_onednn ? cpu::float_linear(a, b) : at::linear(a, b);
+  };
   if (!widened(x, weight)) {
     return product(x, weight);
   }

@@ -27,8 +27,10 @@ TOLERANCES = {
 }
 
 
-def assert_close(actual, expected, dtype):
-    torch.testing.assert_close(actual.double(), expected.double(), **TOLERANCES[dtype])
+def assert_close(actual, expected, dtype, name=None):
+    """actual against expected within dtype's tolerances, compared in float64; `name` prefixes the failure message."""
+    msg = None if name is None else (lambda m: f"{name}: {m}")
+    torch.testing.assert_close(actual.double(), expected.double(), **TOLERANCES[dtype], msg=msg)
 
 
 def cpu_flags():

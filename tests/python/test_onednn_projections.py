@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
-from conftest import TOLERANCES, OpCounter
+from conftest import OpCounter, assert_close
 from oracle import OracleBlock
 from test_float_products import amd_with_avx512, brgemm_runs_here
 from torch.profiler import ProfilerActivity, profile
@@ -17,10 +17,6 @@ import fastmha
 
 D_MODEL, HEADS = 32, 4
 ONEDNN_OP = "mkldnn::_linear_pointwise"
-
-
-def assert_close(actual, expected, dtype, name):
-    torch.testing.assert_close(actual.double(), expected.double(), **TOLERANCES[dtype], msg=lambda m: f"{name}: {m}")
 
 
 def onednn_calls(fn):

@@ -47,8 +47,7 @@ bool recorded(const at::Tensor& t) {
 // composite op's, the decoding step's; the block's op casts its inputs before its kernel) takes at::linear.
 bool autocast_on() { return at::autocast::is_autocast_enabled(at::kCPU); }
 
-}  // namespace
-
+// Whether float_linear runs x W^T on oneDNN (onednn_linear.h).
 bool linear_on_onednn(const at::Tensor& x, const at::Tensor& weight) {
   if (!plain_cpu(x) || !plain_cpu(weight) || recorded(x) || recorded(weight) || autocast_on() ||
       x.scalar_type() != at::kFloat || weight.scalar_type() != at::kFloat || x.dim() < 2 || weight.dim() != 2 ||
@@ -58,6 +57,8 @@ bool linear_on_onednn(const at::Tensor& x, const at::Tensor& weight) {
   }
   return linear_op().has_value() && choose_float_products(float_gemm_mode()).on_brgemm;
 }
+
+}  // namespace
 
 at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight) {
   return linear_on_onednn(x, weight) ? onednn_linear(x, weight) : at::linear(x, weight);

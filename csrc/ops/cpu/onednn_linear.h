@@ -6,8 +6,8 @@
 // backward (within noise) and its weight gradients g^T x measured slower.
 //
 // oneDNN compiles a kernel for each new product shape (a few milliseconds, kept in its bounded cache of recent
-// shapes), so products of fewer than kFewestOnednnRows rows, such as decoding steps whose lengths grow, stay on the
-// BLAS.
+// shapes), so products of fewer than kFewestOnednnRows rows, such as the decoding steps of a small batch, stay on
+// the BLAS.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -18,13 +18,11 @@ namespace fastmha::cpu {
 
 constexpr int64_t kFewestOnednnRows = 512;
 
-// Whether x W^T (x: (..., d_in), weight: (d_out, d_in)) runs on oneDNN: both plain float32 CPU tensors (not
-// fake, functional, batched or otherwise wrapped, nor a negated view) that autograd does not record (the op has no
-// derivative), where CPU autocast would not cast it (the op has no autocast rule), kFewestOnednnRows rows of x or more,
-// the switch puts float32 products on oneDNN and torch carries the op. Half types widened to float32 count as float32.
-bool linear_on_onednn(const at::Tensor& x, const at::Tensor& weight);
-
-// x W^T, on oneDNN where linear_on_onednn says so and by at::linear elsewhere.
+// x W^T (x: (..., d_in), weight: (d_out, d_in)): on oneDNN where both are plain float32 CPU tensors (not fake,
+// functional, batched or otherwise wrapped, nor a negated view) that autograd does not record (the op has no
+// derivative), where CPU autocast would not cast it (the op has no autocast rule), with kFewestOnednnRows rows of x
+// or more, the switch putting float32 products on oneDNN and torch carrying the op; by at::linear elsewhere. Half
+// types widened to float32 count as float32.
 at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight);
 
 }  // namespace fastmha::cpu
