@@ -5,8 +5,9 @@ Two parts, each interleaved, medians of --repeats rounds, results stamped with t
             FASTMHA_CPU_FLOAT_GEMM=blas runs) against torch's oneDNN linear (mkldnn::_linear_pointwise, what
             `brgemm`, and `auto` on AMD processors with AVX-512, run from 512 rows on); ratio = blas / oneDNN
   block     fastmha's block (d_model 512, h 8, weights kept, dropout 0.1, self-attention without a mask), forward
-            without grad and forward + backward, with the switch at `blas` and at `auto` in turn in one process
-            (`blas` also runs the forward's P V on sgemm); ratio = blas / auto
+            without grad, forward + backward, and the backward alone (of a graph made once), with the switch at
+            `blas` and at `auto` in turn in one process (`blas` also runs the forward's P V and the backward's
+            projections on sgemm); ratio = blas / auto
 
     python benchmarks/bench_projections.py --out benchmarks/results/cpu-projections-DATE-CPU
     python benchmarks/bench_projections.py --quick     # a smoke run (seconds)
@@ -37,7 +38,7 @@ def product_row(rows, features, repeats):
 def with_switch(mode, fn):
     def call():
         os.environ["FASTMHA_CPU_FLOAT_GEMM"] = mode
-        fn()
+        return fn()
     return call
 
 
@@ -53,9 +54,18 @@ def block_rows(batch, length, repeats):
     def forward_backward():
         block(x, x, x, None).sum().backward()
 
+    def backward_under(switch):
+        """The backward alone, of a graph made once under `switch` (the backward's projections are all that
+        the switch moves there)."""
+        out = with_switch(switch, lambda: block(x, x, x, None))()
+        grad = torch.randn_like(out)
+        return with_switch(switch, lambda: out.backward(grad, retain_graph=True))
+
     rows = []
-    for mode, fn in (("forward", forward), ("forward + backward", forward_backward)):
-        ms = interleaved_ms({switch: with_switch(switch, fn) for switch in ("blas", "auto")}, repeats)
+    for mode, fn in (("forward", forward), ("forward + backward", forward_backward), ("backward", None)):
+        calls = {switch: backward_under(switch) if fn is None else with_switch(switch, fn)
+                 for switch in ("blas", "auto")}
+        ms = interleaved_ms(calls, repeats)
         rows.append({"part": "block", "batch": batch, "length": length, "mode": mode, "ms": ms,
                      "ratio": round(ms["blas"] / ms["auto"], 3)})
     return rows
@@ -89,7 +99,8 @@ def main():
                          "oneDNN ms": lambda r: round(r["ms"]["onednn"], 3), "ratio": lambda r: r["ratio"]}, products)
         page += "\n" + markdown(
             "## The block", [], "d_model 512, h 8, weights kept, dropout 0.1, self-attention; FASTMHA_CPU_FLOAT_GEMM="
-            "blas and auto in turn (blas also runs the forward's P V on sgemm); ratio = blas / auto.",
+            "blas and auto in turn (blas also runs the forward's P V and the backward's projections on sgemm); "
+            "ratio = blas / auto.",
             {"B": lambda r: r["batch"], "L": lambda r: r["length"], "mode": lambda r: r["mode"],
              "blas ms": lambda r: round(r["ms"]["blas"], 1), "auto ms": lambda r: round(r["ms"]["auto"], 1),
              "ratio": lambda r: r["ratio"]}, blocks)

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "ops/cpu/brgemm_matmul.h"
 #include "ops/float_bits.h"
 #include "ops/heads.h"
 #include "ops/readable_on_cpu.h"
@@ -100,7 +101,7 @@ std::vector<int64_t> rows_to_compute(const std::vector<at::Tensor>& gs, const at
 // (sum_i g_i W_i, [g_i^T x]) for rows g_i (n x d_out) and x (n x d_in), x's rows from `x_rows()`, asked for after
 // the first product (its temporaries gone) so that no copy outlives the products. Later products add into the
 // first's result as they run (no pass of their own); with `widen`, each g_i widened once for both its products
-// and the sum kept in fp32 until the end.
+// and the sum kept in fp32 until the end. float32 products run on oneDNN's brgemm where brgemm_matmul.h says.
 template <typename XRows>
 std::pair<at::Tensor, std::vector<at::Tensor>> row_products(const std::vector<at::Tensor>& gs, XRows x_rows,
                                                             const std::vector<at::Tensor>& weights, bool widen) {
@@ -111,12 +112,12 @@ std::pair<at::Tensor, std::vector<at::Tensor>> row_products(const std::vector<at
   for (size_t i = 0; i < gs.size(); ++i) {
     const at::Tensor g = wide(gs[i]);
     if (i == 0) {
-      grad_x = at::matmul(g, wide(weights[i]));
+      grad_x = cpu::float_matmul(g, wide(weights[i]));
       rows = wide(x_rows());
     } else {
-      grad_x.addmm_(g, wide(weights[i]));
+      cpu::float_addmm_(grad_x, g, wide(weights[i]));
     }
-    grad_ws.push_back(at::matmul(g.t(), rows).to(dtype));
+    grad_ws.push_back(cpu::float_matmul(g.t(), rows).to(dtype));
   }
   return {grad_x.to(dtype), grad_ws};
 }

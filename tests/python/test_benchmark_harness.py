@@ -215,13 +215,15 @@ def test_bench_projections_quick_run(tmp_path):
                    check=True, capture_output=True, timeout=300)
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert [(r["part"], r.get("rows"), r.get("mode")) for r in rows] == [
-        ("products", 512, None), ("block", None, "forward"), ("block", None, "forward + backward")]
+        ("products", 512, None), ("block", None, "forward"), ("block", None, "forward + backward"),
+        ("block", None, "backward")]
     assert all(t > 0 for r in rows for t in r["ms"].values())
     for r in rows:  # the BLAS's time over oneDNN's (products) or auto's (block)
         blas, other = r["ms"].values()
         assert r["ratio"] == pytest.approx(blas / other, abs=0.001)
     page = out.with_suffix(".md").read_text()
-    assert "| 512 | 32 |" in page and "| 1 | 512 | forward |" in page and "AVX" in page
+    assert "| 512 | 32 |" in page and "| 1 | 512 | forward |" in page and "| 1 | 512 | backward |" in page
+    assert "AVX" in page
 
 
 def test_bench_compile_quick_run(tmp_path):

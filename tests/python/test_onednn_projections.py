@@ -1,7 +1,8 @@
-"""The block's float32 forward projections on oneDNN (FASTMHA_CPU_FLOAT_GEMM, csrc/ops/cpu/onednn_linear.h): x W^T
-runs there from 512 rows on where the switch puts float32 products on oneDNN, and the block gives the oracle's
-output and gradients on either GEMM, with shared or separate inputs and with padded rows (keys no query sees are
-projected apart, and the backward skips rows of zero gradient)."""
+"""The block's float32 projections on oneDNN (FASTMHA_CPU_FLOAT_GEMM, csrc/ops/cpu/onednn_linear.h and
+brgemm_matmul.h): the forward's x W^T and the backward's g W and g^T x run there from 512 rows on where the switch
+puts float32 products on oneDNN, and the block gives the oracle's output and gradients on either GEMM, with shared
+or separate inputs, with padded rows (keys no query sees are projected apart, and the backward skips rows of zero
+gradient) and at sizes that leave partial tiles."""
 
 import os
 
@@ -73,6 +74,64 @@ def test_block_gives_the_oracle_on_either_gemm(monkeypatch, mode, sharing, padde
     # The forward's four projections; with padding, the keys and values that some query sees are projected apart,
     # a row count that changes from batch to batch, so on the BLAS (a new oneDNN kernel per count would cost more).
     assert calls == ((2 if padded else 4) if mode == "brgemm" and brgemm_runs_here() else 0), calls
+
+
+def partial_tiles_case(mode, sharing):
+    """543 gradient rows of 200 features (heads of 25): on brgemm the backward's products end in rows, columns and
+    depth left over from whole tiles, and its transposed packing in partial 16 x 16 blocks. The block, its inputs
+    (a tensor given twice is one input) and the loss's weights."""
+    os.environ["FASTMHA_CPU_FLOAT_GEMM"] = mode
+    torch.manual_seed(7)
+    block = fastmha.MultiHeadAttentionBlock(200, 8, 0.0)
+    x, memory = torch.randn(3, 181, 200), torch.randn(3, 181, 200)
+    return block, (x, x, x) if sharing == "self" else (x, memory, memory * 2), torch.randn(3, 181, 200)
+
+
+@pytest.mark.parametrize("mode", ["blas", "brgemm"])
+@pytest.mark.parametrize("sharing", ["self", "separate"])
+def test_backward_products_at_partial_tiles_give_the_oracle(monkeypatch, mode, sharing):
+    monkeypatch.setenv("FASTMHA_CPU_FLOAT_GEMM", mode)
+    block, inputs, loss_weights = partial_tiles_case(mode, sharing)
+    oracle = OracleBlock(200, 8).double()
+    oracle.load_state_dict({name: t.double() for name, t in block.state_dict().items()})
+    got = run(block, inputs, None, loss_weights)
+    want = run(oracle, inputs, None, loss_weights, torch.float64)
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_close(g, w, torch.float32, f"result {i}")
+
+
+LARGEST_BACKWARD_BLAS_PRODUCT = """
+import sys
+sys.path.insert(0, sys.argv[2])
+import torch
+from test_onednn_projections import partial_tiles_case, run
+from torch.profiler import ProfilerActivity, profile
+block, inputs, loss_weights = partial_tiles_case(sys.argv[1], "separate")
+with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    run(block, inputs, None, loss_weights)
+operands = {"aten::mm": slice(0, 2), "aten::addmm": slice(1, 3), "aten::addmm_": slice(1, 3)}
+sizes = [e.input_shapes[operands[e.name]] for e in prof.events() if e.name in operands]
+print(max(a[0] * a[1] * b[1] for a, b in sizes))
+"""
+
+
+@pytest.mark.parametrize("mode", ["blas", "brgemm"])
+def test_backward_products_run_on_brgemm_in_whole_tiles(mode):
+    """On brgemm torch's GEMM multiplies only what whole tiles leave over (31 of 543 rows, here 1/17 of a
+    product); on the BLAS whole products. In a fresh process: brgemm's places for new shapes are the process's."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    result = subprocess.run([sys.executable, "-c", LARGEST_BACKWARD_BLAS_PRODUCT, mode, str(Path(__file__).parent)],
+                            capture_output=True, text=True, check=True, env={**os.environ,
+                                                                            "PYTHONPATH": os.pathsep.join(sys.path)})
+    whole = 543 * 200 * 200
+    largest = int(result.stdout.split()[-1])
+    if mode == "brgemm" and brgemm_runs_here():
+        assert largest <= whole * 31 // 543, largest
+    else:
+        assert largest == whole, largest
 
 
 def test_auto_puts_projections_on_onednn_on_amd_processors_with_avx512_only(monkeypatch):

@@ -124,13 +124,18 @@ FloatProducts choose_float_products(FloatGemmMode mode) {
   return {true, "the forward's P V on oneDNN's brgemm (faster than the BLAS on AMD processors with AVX-512)"};
 }
 
-bool brgemm_if_admitted(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,
-                        float* c, int64_t ldc, bool add_c) {
+bool brgemm_admits(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc, bool add_c,
+                   BrgemmShapes shapes) {
   if (m <= 0 || n <= 0 || k <= 0) {
     return false;
   }
-  static AdmittedShapes admitted;
-  if (!admitted.admit({m, n, k, lda, ldb, ldc, add_c})) {
+  static AdmittedShapes attention, projections;
+  return (shapes == BrgemmShapes::kAttention ? attention : projections).admit({m, n, k, lda, ldb, ldc, add_c});
+}
+
+bool brgemm_if_admitted(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,
+                        float* c, int64_t ldc, bool add_c) {
+  if (!brgemm_admits(m, n, k, lda, ldb, ldc, add_c)) {
     return false;
   }
   at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, add_c, a, b, c, false);

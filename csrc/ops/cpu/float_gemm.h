@@ -39,8 +39,18 @@ FloatProducts choose_float_products(FloatGemmMode mode);
 // once).
 bool float_brgemm_works();
 
-// The most distinct product shapes the process runs on brgemm.
+// The most distinct product shapes the process runs on brgemm, for each of BrgemmShapes.
 constexpr int kMaxBrgemmShapes = 32;
+
+// Two groups of products, each with kMaxBrgemmShapes places of its own, so that neither takes the other's: the
+// attention kernels' (shapes that follow the sequence lengths) and the block's projections' (brgemm_matmul.h:
+// shapes that follow the model's sizes only).
+enum class BrgemmShapes { kAttention, kProjections };
+
+// Whether the process runs products of this shape on brgemm (see brgemm_if_admitted): true where it did before or
+// there was still a place for a new one among `shapes`, which the shape now takes; false for an empty product.
+bool brgemm_admits(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc, bool add_c,
+                   BrgemmShapes shapes = BrgemmShapes::kAttention);
 
 // C (m x n, row stride ldc) (+)= A (m x k, row stride lda) . B (k x n, row stride ldb) on brgemm, when the process
 // runs this shape there (it did before, or there is still a place for a new one, kMaxBrgemmShapes): false, and

@@ -28,13 +28,13 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight) {
 }
 
 // A dense CPU tensor of known sizes with no other dispatch key than those of every such tensor (autograd's,
-// autocast's): not fake, symbolic, functional, batched, wrapped by a transform, nested, or a negated or conjugated
-// view.
+// autocast's), whose data is there: not fake (under torch.compile a fake tensor can reach a kernel with those keys
+// and no data), symbolic, functional, batched, wrapped by a transform, nested, or a negated or conjugated view.
 bool plain_cpu(const at::Tensor& t) {
   static const c10::DispatchKeySet plain({c10::DispatchKey::CPU, c10::DispatchKey::AutogradCPU,
                                           c10::DispatchKey::ADInplaceOrView, c10::DispatchKey::AutocastCPU});
   return t.defined() && !t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() && t.layout() == at::kStrided &&
-         plain.isSupersetOf(t.key_set());
+         plain.isSupersetOf(t.key_set()) && t.has_storage() && t.storage().data() != nullptr;
 }
 
 // Whether autograd would record a product of t: torch's oneDNN op has no derivative, so such a product (a
@@ -49,16 +49,22 @@ bool autocast_on() { return at::autocast::is_autocast_enabled(at::kCPU); }
 
 // Whether float_linear runs x W^T on oneDNN (onednn_linear.h).
 bool linear_on_onednn(const at::Tensor& x, const at::Tensor& weight) {
-  if (!plain_cpu(x) || !plain_cpu(weight) || recorded(x) || recorded(weight) || autocast_on() ||
-      x.scalar_type() != at::kFloat || weight.scalar_type() != at::kFloat || x.dim() < 2 || weight.dim() != 2 ||
-      x.size(-1) != weight.size(1) || weight.size(0) == 0 || x.size(-1) == 0 ||
-      x.numel() / x.size(-1) < kFewestOnednnRows) {
+  if (!plain_cpu(x) || !plain_cpu(weight) || x.dim() < 2 || weight.dim() != 2 || x.size(-1) != weight.size(1) ||
+      weight.size(0) == 0 || x.size(-1) == 0) {
     return false;
   }
-  return linear_op().has_value() && choose_float_products(float_gemm_mode()).on_brgemm;
+  return linear_op().has_value() && onednn_takes_product(x, weight, x.numel() / x.size(-1));
 }
 
 }  // namespace
+
+bool onednn_takes_product(const at::Tensor& a, const at::Tensor& b, int64_t rows) {
+  if (!plain_cpu(a) || !plain_cpu(b) || recorded(a) || recorded(b) || autocast_on() || a.scalar_type() != at::kFloat ||
+      b.scalar_type() != at::kFloat || rows < kFewestOnednnRows) {
+    return false;
+  }
+  return choose_float_products(float_gemm_mode()).on_brgemm;
+}
 
 at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight) {
   return linear_on_onednn(x, weight) ? onednn_linear(x, weight) : at::linear(x, weight);

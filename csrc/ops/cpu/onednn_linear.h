@@ -2,8 +2,8 @@
 // instead of the BLAS's sgemm, where FASTMHA_CPU_FLOAT_GEMM puts float32 products on oneDNN (float_gemm.h: by
 // default AMD processors with AVX-512, on which MKL runs no AVX-512 code). On Zen 4 x W^T took 0.79-0.95x its
 // sgemm time from 512 rows (256-1024 features).
-// The backward's products stay on the BLAS: on oneDNN its input gradients g W gained 0-2% of the block's forward +
-// backward (within noise) and its weight gradients g^T x measured slower.
+// The backward's products run on oneDNN's brgemm instead (brgemm_matmul.h): on this op its input gradients g W
+// gained 0-2% of the block's forward + backward (within noise) and its weight gradients g^T x measured slower.
 //
 // oneDNN compiles a kernel for each new product shape (a few milliseconds, kept in its bounded cache of recent
 // shapes), so products of fewer than kFewestOnednnRows rows, such as the decoding steps of a small batch, stay on
@@ -24,5 +24,9 @@ constexpr int64_t kFewestOnednnRows = 512;
 // or more, the switch putting float32 products on oneDNN and torch carrying the op; by at::linear elsewhere. Half
 // types widened to float32 count as float32.
 at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight);
+
+// Whether a float32 product of a and b over `rows` rows (the rows of x, or of the gradients a backward product
+// reads) may run on oneDNN: the conditions of float_linear above, but for the operands' shapes and torch's op.
+bool onednn_takes_product(const at::Tensor& a, const at::Tensor& b, int64_t rows);
 
 }  // namespace fastmha::cpu
