@@ -425,9 +425,11 @@ KernelChoice choose_kernel(const AttentionCall& call) {
       choice.half_products_vnni = products.vnni;
       choice.reason += "; " + products.note;
     }
-    if (choice.kernel == AttentionKernel::kOwnCpu && call.pass == Pass::kForward && dtype != at::kDouble &&
+    // The forward's P V in float32 and in half types widened to it; the blocked backward's products in float32.
+    const bool forward = call.pass == Pass::kForward;
+    if (choice.kernel == AttentionKernel::kOwnCpu && (forward ? dtype != at::kDouble : dtype == at::kFloat) &&
         !choice.half_products) {
-      const auto products = cpu::choose_float_products(float_mode);
+      const auto products = cpu::choose_float_products(float_mode, !forward);
       choice.float_brgemm = products.on_brgemm;
       if (!products.note.empty()) {
         choice.reason += "; " + products.note;

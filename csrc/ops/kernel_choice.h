@@ -55,7 +55,8 @@ struct KernelChoice {
   // (FASTMHA_CPU_HALF_GEMM; `auto` counts the query rows and the keys a row computes, from the mask's sample).
   bool half_products = false;
   bool half_products_vnni = true;  // their right operands in the VNNI layout; plain on ATen's reference GEMM
-  // kOwnCpu forward in float32 or widened to it: whether its P V runs on oneDNN's brgemm (FASTMHA_CPU_FLOAT_GEMM).
+  // kOwnCpu forward in float32 or widened to it: whether its P V runs on oneDNN's brgemm (FASTMHA_CPU_FLOAT_GEMM);
+  // kOwnCpu backward in float32: whether the blocked backward's products do.
   bool float_brgemm = false;
   // kOwnCuda forward without kept weights: the register-resident mma kernel with this many 16-row tiles per warp
   // (1 or 2), or 0 for the WMMA tile kernel.

@@ -1,5 +1,6 @@
-"""The CPU forward's float32 P V on oneDNN's brgemm (FASTMHA_CPU_FLOAT_GEMM): the same results as on the BLAS and
-as the oracle, for every block shape the forward meets, and the switch's choice as fastmha.explain reports it."""
+"""The CPU forward's float32 P V, and the blocked backward's four products, on oneDNN's brgemm
+(FASTMHA_CPU_FLOAT_GEMM): the same results as on the BLAS and as the oracle, for every block shape the forward and
+the backward meet, and the switch's choice as fastmha.explain reports it."""
 
 import os
 import subprocess
@@ -15,6 +16,7 @@ from oracle import oracle_attention
 import fastmha
 
 ON_BRGEMM = "the forward's P V on oneDNN's brgemm"
+BACKWARD_ON_BRGEMM = "the blocked backward's products on oneDNN's brgemm"
 
 
 def forward_note(q, k, v, mask=None, need_weights=False, is_causal=False):
@@ -87,6 +89,29 @@ def test_masked_and_causal_forwards_match_the_oracle(float_gemm, need_weights):
             assert_close(weights, want_weights, torch.float32)
 
 
+# Key lengths as above; the blocked backward walks the keys in blocks of its own, with causal pieces of rows.
+@pytest.mark.parametrize("lk", [37, 512, 1300])
+@pytest.mark.parametrize("case", ["plain", "masked", "causal", "weights kept"])
+def test_backward_matches_the_oracle(float_gemm, lk, case):
+    torch.manual_seed(lk)
+    b, lq = 2, 70
+    q, k, v = torch.randn(b, 3, lq, 24), torch.randn(b, 3, lk, 24), torch.randn(b, 3, lk, 40)  # d_v != d_k
+    mask = visible(b, lq, lk, [lk, max(1, lk // 3)]) if case == "masked" else None
+    is_causal, need_weights = case == "causal", case == "weights kept"
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out, _ = torch.ops.fastmha.attention(*leaves, mask, 0.0, need_weights, is_causal)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    wide = [t.double().requires_grad_(True) for t in (q, k, v)]
+    full = torch.ones(lq, lk, dtype=torch.bool).tril() if is_causal else mask
+    oracle_attention(*wide, full)[0].backward(grad.double())
+    for name, got, want in zip("qkv", leaves, wide):
+        assert_close(got.grad, want.grad, torch.float32, f"grad of {name}")
+    line = fastmha.explain(q, k, v, mask, 0.0, need_weights, is_causal).splitlines()[1]
+    assert line.startswith("backward fastmha-cpu"), line
+    assert (BACKWARD_ON_BRGEMM in line) == (float_gemm == "brgemm" and brgemm_runs_here()), line
+
+
 def test_dropout_and_widened_half_types_agree_with_the_blas(monkeypatch):
     """The same call on both GEMMs: the same dropout mask (the same stream), the same numbers up to rounding."""
     monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
@@ -101,6 +126,23 @@ def test_dropout_and_widened_half_types_agree_with_the_blas(monkeypatch):
         out, weights = results["brgemm"]
         assert torch.equal(weights, results["blas"][1])  # the weights come before the product
         assert_close(out, results["blas"][0], dtype)
+
+
+def test_backward_with_dropout_and_kept_weights_agrees_with_the_blas(monkeypatch):
+    """The kept weights carry the dropout: the backward's gradients on both GEMMs, the same up to rounding."""
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
+    torch.manual_seed(4)
+    q, k, v = torch.randn(2, 2, 90, 32), torch.randn(2, 2, 700, 32), torch.randn(2, 2, 700, 32)
+    grad = torch.randn(2, 2, 90, 32)
+    results = {}
+    for mode in ("blas", "brgemm"):
+        monkeypatch.setenv("FASTMHA_CPU_FLOAT_GEMM", mode)
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        torch.manual_seed(8)
+        torch.ops.fastmha.attention(*leaves, None, 0.3, True, False)[0].backward(grad)
+        results[mode] = [t.grad for t in leaves]
+    for name, got, want in zip("qkv", results["brgemm"], results["blas"]):
+        assert_close(got, want, torch.float32, f"grad of {name}")
 
 
 def test_more_shapes_than_the_process_keeps_on_brgemm_stay_right(monkeypatch):
@@ -125,10 +167,13 @@ def test_auto_takes_brgemm_on_amd_processors_with_avx512_only(monkeypatch):
     q = torch.randn(1, 2, 16, 8)
     expected = amd_with_avx512() and brgemm_runs_here()
     assert (ON_BRGEMM in forward_note(q, q, q)) == expected
-    # float64 multiplies on the BLAS's dgemm, and the backward on the BLAS, whatever the switch says.
+    assert (BACKWARD_ON_BRGEMM in fastmha.explain(q, q, q, None, 0.0, False, False).splitlines()[1]) == expected
+    # float64 multiplies on the BLAS's dgemm whatever the switch says; half types' backward too.
     monkeypatch.setenv("FASTMHA_CPU_FLOAT_GEMM", "brgemm")
     assert ON_BRGEMM not in forward_note(q.double(), q.double(), q.double())
-    assert ON_BRGEMM not in fastmha.explain(q, q, q, None, 0.0, False, False).splitlines()[1]
+    for dtype in (torch.float64, torch.bfloat16):
+        t = q.to(dtype)
+        assert "brgemm" not in fastmha.explain(t, t, t, None, 0.0, False, False).splitlines()[1]
 
 
 def test_brgemm_without_onednn_says_so_and_runs_on_the_blas(monkeypatch):
@@ -180,18 +225,26 @@ k, v = (torch.randn(2, 1300, 3, d).transpose(1, 2) for d in (24, 40))
 mask = torch.ones(2, 1, 70, 1300, dtype=torch.bool)
 mask[1, ..., 400:700] = False
 for m, need_weights in ((None, False), (mask, True)):
-    out, weights = torch.ops.fastmha.attention(q, k, v, m, 0.0, need_weights, False)
-    want, want_weights = oracle_attention(q.double(), k.double(), v.double(), m)
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    out, weights = torch.ops.fastmha.attention(*leaves, m, 0.0, need_weights, False)
+    wide = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    want, want_weights = oracle_attention(*wide, m)
     assert_close(out, want, torch.float32)
     if need_weights:
         assert_close(weights, want_weights, torch.float32)
+    grad = torch.randn_like(out)
+    out.backward(grad)  # the blocked backward's products
+    want.backward(grad.double())
+    for got, expected in zip(leaves, wide):
+        assert_close(got.grad, expected.grad, torch.float32)
 print("checked")
 """
 
 
 def test_a_fresh_process_runs_its_products_on_brgemm_and_right():
     """In this process the shapes that earlier tests ran on brgemm may have taken every place there; a fresh
-    process meets these few shapes first, so where brgemm runs, it runs them all."""
+    process meets these few shapes first (the forward's and the backward's), so where brgemm runs, it runs them
+    all."""
     if not brgemm_runs_here():
         pytest.skip("oneDNN's float32 brgemm does not run here")
     env = {**os.environ, "FASTMHA_CPU_KERNELS": "own", "FASTMHA_CPU_FLOAT_GEMM": "brgemm"}

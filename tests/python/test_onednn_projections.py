@@ -76,23 +76,24 @@ def test_block_gives_the_oracle_on_either_gemm(monkeypatch, mode, sharing, padde
     assert calls == ((2 if padded else 4) if mode == "brgemm" and brgemm_runs_here() else 0), calls
 
 
-def partial_tiles_case(mode, sharing):
+def partial_tiles_case(mode, sharing, features=200):
     """543 gradient rows of 200 features (heads of 25): on brgemm the backward's products end in rows, columns and
-    depth left over from whole tiles, and its transposed packing in partial 16 x 16 blocks. The block, its inputs
-    (a tensor given twice is one input) and the loss's weights."""
+    depth left over from whole tiles, and its transposed packing in partial 16 x 16 blocks (520 features: g W's
+    depth of 520 in a step of 512 and one of 8). The block, its inputs (a tensor given twice is one input) and the
+    loss's weights."""
     os.environ["FASTMHA_CPU_FLOAT_GEMM"] = mode
     torch.manual_seed(7)
-    block = fastmha.MultiHeadAttentionBlock(200, 8, 0.0)
-    x, memory = torch.randn(3, 181, 200), torch.randn(3, 181, 200)
-    return block, (x, x, x) if sharing == "self" else (x, memory, memory * 2), torch.randn(3, 181, 200)
+    block = fastmha.MultiHeadAttentionBlock(features, 8, 0.0)
+    x, memory = torch.randn(3, 181, features), torch.randn(3, 181, features)
+    return block, (x, x, x) if sharing == "self" else (x, memory, memory * 2), torch.randn(3, 181, features)
 
 
 @pytest.mark.parametrize("mode", ["blas", "brgemm"])
-@pytest.mark.parametrize("sharing", ["self", "separate"])
-def test_backward_products_at_partial_tiles_give_the_oracle(monkeypatch, mode, sharing):
+@pytest.mark.parametrize("sharing,features", [("self", 200), ("separate", 200), ("separate", 520)])
+def test_backward_products_at_partial_tiles_give_the_oracle(monkeypatch, mode, sharing, features):
     monkeypatch.setenv("FASTMHA_CPU_FLOAT_GEMM", mode)
-    block, inputs, loss_weights = partial_tiles_case(mode, sharing)
-    oracle = OracleBlock(200, 8).double()
+    block, inputs, loss_weights = partial_tiles_case(mode, sharing, features)
+    oracle = OracleBlock(features, 8).double()
     oracle.load_state_dict({name: t.double() for name, t in block.state_dict().items()})
     got = run(block, inputs, None, loss_weights)
     want = run(oracle, inputs, None, loss_weights, torch.float64)

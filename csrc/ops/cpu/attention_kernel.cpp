@@ -425,6 +425,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
     } else if (use_output && !has_grad_weights) {  // the blocked backward
       copy_interleaved_heads_in_tasks(in, q, k, v);
     }
+    in.float_brgemm = choice.float_brgemm && std::is_same_v<scalar_t, float>;
     FASTMHA_CPU_DISPATCH(attention_backward, in, grads);
   });
   // The outputs were allocated in the ops' layout (empty_output); .to keeps it.

@@ -34,6 +34,7 @@
 
 #include "ops/cpu/attention_params.h"
 #include "ops/cpu/blas.h"
+#include "ops/cpu/brgemm_matmul.h"
 #include "ops/cpu/cache_line_buffer.h"
 #include "ops/cpu/float_gemm.h"
 #include "ops/cpu/key_span.h"
@@ -1727,6 +1728,7 @@ struct BackwardBuffers {
   WidenedHead<T> widened;  // q/k/v when the tasks widen them (in.widen_in_tasks)
   BackwardChunkRows<T> chunk_rows;
   CacheLineVector<T> own_grad_k, own_grad_v;  // a task's dK and dV rows (half_grad_k, task_grad_k)
+  CacheLineVector<T> packed;                  // a transposed operand of brgemm (in.float_brgemm)
 };
 
 // Whether query row `query` sees no key at all (mask, and causality with is_causal): all its scores are -1e9.
@@ -1838,6 +1840,59 @@ void half_block_gradients(const AttentionInputs<T>& in, const AttentionBackwardT
   }
 }
 
+// The blocked backward's float32 products on oneDNN's brgemm where `use` (in.float_brgemm, float_gemm.h, outside
+// causal pieces, whose row counts would each take a place of their own), each where the process runs its shape
+// there: whether it ran (nothing written otherwise, for gemm to run it).
+// C (m x n) (+ when add)= A (m x k) B (k x n), all row-major.
+template <typename T>
+bool brgemm_plain(bool use, int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb, T* c,
+                  int64_t ldc, bool add) {
+  if constexpr (std::is_same_v<T, float>) {
+    return use && brgemm_if_admitted(m, n, k, a, lda, b, ldb, c, ldc, add);
+  }
+  return false;
+}
+
+// C (m x n) += A^T B for A (k x m, row stride lda), packed transposed into `packed` (m x k) first.
+template <typename T>
+bool brgemm_transposed_left(bool use, int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb,
+                            CacheLineVector<T>& packed, T* c, int64_t ldc) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (use && brgemm_admits(m, n, k, k, ldb, ldc, true)) {
+      packed.resize(std::max(packed.size(), static_cast<size_t>(m * k)));
+      pack_transposed(a, lda, m, k, packed.data(), k);
+      return brgemm_if_admitted(m, n, k, packed.data(), k, b, ldb, c, ldc, true);
+    }
+  }
+  return false;
+}
+
+// dP = dO V^T (m rows, n keys) into grad_w (row stride n), V^T packed into `packed` (d_v x n) first.
+template <typename T>
+bool brgemm_grad_weights(bool use, const AttentionInputs<T>& in, int64_t m, int64_t n, const T* grad_out,
+                         int64_t ld_grad_out, const T* v, CacheLineVector<T>& packed, T* grad_w) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (use && brgemm_admits(m, n, in.d_v, ld_grad_out, n, n, false)) {
+      packed.resize(std::max(packed.size(), static_cast<size_t>(in.d_v * n)));
+      pack_transposed(v, in.v_stride.row, in.d_v, n, packed.data(), n);
+      return brgemm_if_admitted(m, n, in.d_v, grad_out, ld_grad_out, packed.data(), n, grad_w, n, false);
+    }
+  }
+  return false;
+}
+
+// The scale factor of dS's products: where `use`, 1 (brgemm has none) after scaling the `count` elements of grad_w
+// once; in.scale otherwise.
+template <typename T>
+T scale_for_brgemm(bool use, const AttentionInputs<T>& in, T* grad_w, int64_t count) {
+  if (!use) {
+    return in.scale;
+  }
+  using Vec = at::vec::Vectorized<T>;
+  at::vec::map([&](Vec x) { return x * Vec(in.scale); }, grad_w, grad_w, count);
+  return T(1);
+}
+
 // Runs body(task, row0, rows, buffers) for every query chunk of `chunk` rows, the split tasks in parallel.
 template <typename T, typename Body>
 void for_each_backward_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, int64_t chunk,
@@ -1872,7 +1927,8 @@ template <typename T>
 void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, const SplitTask<T>& task,
                    int64_t row0, int64_t rows, BackwardBuffers<T>& buf) {
   const auto& [bh, chunk_begin, chunk_end, head, grad_k, grad_v] = task;
-  auto& [probs, grad_w, keep, out_dots, softmax, non_finite, words, widened, chunk_rows, own_grad_k, own_grad_v] = buf;
+  auto& [probs, grad_w, keep, out_dots, softmax, non_finite, words, widened, chunk_rows, own_grad_k, own_grad_v,
+         packed] = buf;
   const int64_t first_row = bh * in.len_q + row0;
   const T* grad_out = chunk_rows.grad_out;
   const T* out = chunk_rows.out;
@@ -1938,6 +1994,7 @@ void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<
       // Rows of the block in T (none where the products run in the half type).
       const T* v_part = head.v != nullptr ? head.v + lo * in.v_stride.row : nullptr;
       const T* k_part = head.k != nullptr ? head.k + lo * in.k_stride.row : nullptr;
+      const bool on_brgemm = in.float_brgemm && skip == 0;
       if (kept == nullptr) {
         block_scores(in, head, row0 + skip, m, part, probs.data(), n);
       }
@@ -1945,7 +2002,8 @@ void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<
       TORCH_INTERNAL_ASSERT(skip == 0 || in.half.q == nullptr, "causal pieces of the half-type backward");
       if (in.half.q != nullptr) {
         half_grad_weights(in, half_grad_out, g.grad_out_stride.row, head, rows, lo, n, grad_w.data());
-      } else {
+      } else if (!brgemm_grad_weights(on_brgemm, in, m, n, piece_grad_out, ld_grad_out, v_part, packed,
+                                      grad_w.data())) {
         gemm<T>(false, true, m, n, in.d_v, T(1), piece_grad_out, ld_grad_out, v_part, in.v_stride.row, T(0),
                 grad_w.data(), n);
       }
@@ -1976,12 +2034,24 @@ void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<
       // dV += W^T dO ; dQ (+)= scale * dS K ; dK += scale * dS^T Q (over this piece's keys and rows). The first
       // piece of the first block has every row (causal_pieces), so every dQ row is written before one is added to.
       const T* applied = kept != nullptr ? kept + skip * in.len_k + lo : probs.data();
-      gemm<T>(true, false, n, in.d_v, m, T(1), applied, kept != nullptr ? in.len_k : n, piece_grad_out, ld_grad_out,
-              T(1), grad_v + lo * ld_grad_v, ld_grad_v);
-      gemm<T>(false, false, m, in.d_k, n, in.scale, grad_w.data(), n, k_part, in.k_stride.row, computed ? T(1) : T(0),
-              piece_grad_q, ld_grad_q);
-      gemm<T>(true, false, n, in.d_k, m, in.scale, grad_w.data(), n, piece_q, in.q_stride.row, T(1),
-              grad_k + lo * ld_grad_k, ld_grad_k);
+      const int64_t ld_applied = kept != nullptr ? in.len_k : n;
+      if (!brgemm_transposed_left(on_brgemm, n, in.d_v, m, applied, ld_applied, piece_grad_out, ld_grad_out, packed,
+                                  grad_v + lo * ld_grad_v, ld_grad_v)) {
+        gemm<T>(true, false, n, in.d_v, m, T(1), applied, ld_applied, piece_grad_out, ld_grad_out, T(1),
+                grad_v + lo * ld_grad_v, ld_grad_v);
+      }
+      // brgemm has no scale factor: on it dS is scaled once for both products.
+      const T scale = scale_for_brgemm(on_brgemm, in, grad_w.data(), m * n);
+      if (!brgemm_plain(on_brgemm, m, in.d_k, n, grad_w.data(), n, k_part, in.k_stride.row, piece_grad_q, ld_grad_q,
+                        computed)) {
+        gemm<T>(false, false, m, in.d_k, n, scale, grad_w.data(), n, k_part, in.k_stride.row, computed ? T(1) : T(0),
+                piece_grad_q, ld_grad_q);
+      }
+      if (!brgemm_transposed_left(on_brgemm, n, in.d_k, m, grad_w.data(), n, piece_q, in.q_stride.row, packed,
+                                  grad_k + lo * ld_grad_k, ld_grad_k)) {
+        gemm<T>(true, false, n, in.d_k, m, scale, grad_w.data(), n, piece_q, in.q_stride.row, T(1),
+                grad_k + lo * ld_grad_k, ld_grad_k);
+      }
       computed = true;
     });
   }
@@ -2026,8 +2096,8 @@ void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<
   for_each_backward_chunk(
       in, g, chunk, ld, [&](const SplitTask<T>& task, int64_t row0, int64_t rows, BackwardBuffers<T>& buf) {
         const auto& [bh, chunk_begin, chunk_end, head, grad_k, grad_v] = task;
-        auto& [probs, grad_w, keep, out_dots, softmax, non_finite, words, widened, chunk_rows, own_grad_k, own_grad_v] =
-            buf;
+        auto& [probs, grad_w, keep, out_dots, softmax, non_finite, words, widened, chunk_rows, own_grad_k, own_grad_v,
+               packed] = buf;
         const int64_t first_row = bh * in.len_q + row0;
         const T* grad_out = head_row(g.grad_out, g.grad_out_stride, in.heads, bh, row0);
         const int64_t ld_grad_out = g.grad_out_stride.row;

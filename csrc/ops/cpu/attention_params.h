@@ -70,7 +70,8 @@ struct AttentionInputs {
     Strides3 q_stride{}, k_stride{}, v_stride{};
   } copy_source;
   bool widen_in_tasks = false;  // whether the tasks widen half_source or copy copy_source (nullptr where empty)
-  bool float_brgemm = false;    // T = float only: the forward's P V on oneDNN's brgemm (float_gemm.h)
+  // T = float only: the forward's P V and the blocked backward's products on oneDNN's brgemm (float_gemm.h)
+  bool float_brgemm = false;
 };
 
 template <typename T>

@@ -2,11 +2,12 @@
 // instead of the BLAS's sgemm, where FASTMHA_CPU_FLOAT_GEMM puts float32 products on oneDNN (float_gemm.h: by
 // default AMD processors with AVX-512, on which MKL runs no AVX-512 code): the input gradient g W, whose left
 // operand g is row-major, and the weight gradient g^T x, whose left operand is a transposed view that each tile
-// packs. On Zen 4 (2 threads, 4096 gradient rows, 512 features) each took about 0.9x its sgemm time.
+// packs.
 //
-// The products are tiled over C, each tile one thread's. brgemm runs whole tiles of 64 rows over whole steps of
-// depth, so its kernels' shapes follow the model's sizes, not the number of rows (its own group of places,
-// float_gemm.h); the few rows and the depth left over run on ATen's GEMM.
+// The products are tiled over C, each tile one thread's. So that brgemm's kernel shapes follow the model's sizes,
+// not the number of gradient rows (its own group of places, float_gemm.h), it runs whole tiles of 64 rows and, for
+// g^T x, whole steps of 256 rows of depth; the rows left over (fewer than 64 of g W's, or of g^T x's when its
+// features are not a multiple of 64) and g^T x's depth left over (fewer than 256 rows) run on ATen's GEMM.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -20,5 +21,9 @@ at::Tensor float_matmul(const at::Tensor& a, const at::Tensor& b);
 
 // c += a b (c: m x n and contiguous), on brgemm where float_matmul would be; by c.addmm_(a, b) elsewhere.
 void float_addmm_(at::Tensor& c, const at::Tensor& a, const at::Tensor& b);
+
+// dst (rows x depth, row stride ld_dst) = the transpose of src (depth x rows, row stride ld_src): a transposed
+// operand packed for brgemm, in 16 x 16 blocks of AVX-512 registers where fastmha runs its AVX512 kernels.
+void pack_transposed(const float* src, int64_t ld_src, int64_t rows, int64_t depth, float* dst, int64_t ld_dst);
 
 }  // namespace fastmha::cpu

@@ -105,14 +105,15 @@ bool float_brgemm_works() {
   return works;
 }
 
-FloatProducts choose_float_products(FloatGemmMode mode) {
+FloatProducts choose_float_products(FloatGemmMode mode, bool backward) {
   const std::string unavailable = "float32 products on the BLAS: oneDNN's brgemm does not run here";
+  const std::string products = backward ? "the blocked backward's products" : "the forward's P V";
   switch (mode) {
     case FloatGemmMode::kBlas:
       return {};
     case FloatGemmMode::kBrgemm:
       if (float_brgemm_works()) {
-        return {true, "the forward's P V on oneDNN's brgemm (FASTMHA_CPU_FLOAT_GEMM=brgemm)"};
+        return {true, products + " on oneDNN's brgemm (FASTMHA_CPU_FLOAT_GEMM=brgemm)"};
       }
       return {false, unavailable + " (FASTMHA_CPU_FLOAT_GEMM=brgemm)"};
     case FloatGemmMode::kAuto:
@@ -121,7 +122,7 @@ FloatProducts choose_float_products(FloatGemmMode mode) {
   if (!amd_with_avx512() || !float_brgemm_works()) {
     return {};
   }
-  return {true, "the forward's P V on oneDNN's brgemm (faster than the BLAS on AMD processors with AVX-512)"};
+  return {true, products + " on oneDNN's brgemm (faster than the BLAS on AMD processors with AVX-512)"};
 }
 
 bool brgemm_admits(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc, bool add_c,

@@ -1,6 +1,7 @@
-// float32 products of the CPU forward on oneDNN's batch-reduce GEMM (at::native::cpublas::brgemm) instead of the
-// BLAS's sgemm, where that is faster: the forward's O (+)= P V, the product that needs no packed operand.
-// (A single query row, a decoding step's, runs blas.h's vector loop instead: it keeps no kernel per key length.)
+// float32 products of the CPU kernels on oneDNN's batch-reduce GEMM (at::native::cpublas::brgemm) instead of the
+// BLAS's sgemm, where that is faster: the forward's O (+)= P V, the product that needs no packed operand (a single
+// query row, a decoding step's, runs blas.h's vector loop instead: it keeps no kernel per key length), and the
+// blocked backward's four products, with their transposed operands packed.
 //
 // MKL, the BLAS that torch's x86 wheels carry, runs no AVX-512 code on AMD processors; oneDNN's kernels do. On
 // Zen 4 (AVX-512) the forward took 0.89-0.94x its sgemm time with P V on brgemm (float32, 128-8192 keys, d 64 and
@@ -26,13 +27,13 @@ namespace fastmha::cpu {
 enum class FloatGemmMode { kAuto, kBlas, kBrgemm };
 FloatGemmMode float_gemm_mode();
 
-// How a forward's float32 products run under `mode`: on brgemm or not, and why in words (for fastmha.explain;
-// empty where they run on the BLAS as usual).
+// How a forward's (or with `backward`, a backward's) float32 products run under `mode`: on brgemm or not, and why
+// in words (for fastmha.explain; empty where they run on the BLAS as usual).
 struct FloatProducts {
   bool on_brgemm = false;
   std::string note;
 };
-FloatProducts choose_float_products(FloatGemmMode mode);
+FloatProducts choose_float_products(FloatGemmMode mode, bool backward = false);
 
 // Whether oneDNN's float32 brgemm runs here: an x86-64 processor with AVX2 (elsewhere ATen's brgemm is its plain
 // GEMM), oneDNN enabled in torch, and a small product of small integers that matches its exact result (checked
