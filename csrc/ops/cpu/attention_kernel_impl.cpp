@@ -1841,14 +1841,15 @@ void half_block_gradients(const AttentionInputs<T>& in, const AttentionBackwardT
 }
 
 // The blocked backward's float32 products on oneDNN's brgemm where `use` (in.float_brgemm, float_gemm.h, outside
-// causal pieces, whose row counts would each take a place of their own), each where the process runs its shape
-// there: whether it ran (nothing written otherwise, for gemm to run it).
+// causal pieces after the first, whose row counts would each take a place), each where the process runs its shape
+// there, among the backward's own places: whether it ran (nothing written otherwise, for gemm to run it).
 // C (m x n) (+ when add)= A (m x k) B (k x n), all row-major.
+constexpr BrgemmShapes kBackwardShapes = BrgemmShapes::kAttentionBackward;
 template <typename T>
 bool brgemm_plain(bool use, int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb, T* c,
                   int64_t ldc, bool add) {
   if constexpr (std::is_same_v<T, float>) {
-    return use && brgemm_if_admitted(m, n, k, a, lda, b, ldb, c, ldc, add);
+    return use && brgemm_if_admitted(m, n, k, a, lda, b, ldb, c, ldc, add, kBackwardShapes);
   }
   return false;
 }
@@ -1858,10 +1859,10 @@ template <typename T>
 bool brgemm_transposed_left(bool use, int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb,
                             CacheLineVector<T>& packed, T* c, int64_t ldc) {
   if constexpr (std::is_same_v<T, float>) {
-    if (use && brgemm_admits(m, n, k, k, ldb, ldc, true)) {
+    if (use && brgemm_admits(m, n, k, k, ldb, ldc, true, kBackwardShapes)) {
       packed.resize(std::max(packed.size(), static_cast<size_t>(m * k)));
       pack_transposed(a, lda, m, k, packed.data(), k);
-      return brgemm_if_admitted(m, n, k, packed.data(), k, b, ldb, c, ldc, true);
+      return brgemm_if_admitted(m, n, k, packed.data(), k, b, ldb, c, ldc, true, kBackwardShapes);
     }
   }
   return false;
@@ -1872,10 +1873,11 @@ template <typename T>
 bool brgemm_grad_weights(bool use, const AttentionInputs<T>& in, int64_t m, int64_t n, const T* grad_out,
                          int64_t ld_grad_out, const T* v, CacheLineVector<T>& packed, T* grad_w) {
   if constexpr (std::is_same_v<T, float>) {
-    if (use && brgemm_admits(m, n, in.d_v, ld_grad_out, n, n, false)) {
+    if (use && brgemm_admits(m, n, in.d_v, ld_grad_out, n, n, false, kBackwardShapes)) {
       packed.resize(std::max(packed.size(), static_cast<size_t>(in.d_v * n)));
       pack_transposed(v, in.v_stride.row, in.d_v, n, packed.data(), n);
-      return brgemm_if_admitted(m, n, in.d_v, grad_out, ld_grad_out, packed.data(), n, grad_w, n, false);
+      return brgemm_if_admitted(m, n, in.d_v, grad_out, ld_grad_out, packed.data(), n, grad_w, n, false,
+                                kBackwardShapes);
     }
   }
   return false;

@@ -130,13 +130,13 @@ bool brgemm_admits(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, in
   if (m <= 0 || n <= 0 || k <= 0) {
     return false;
   }
-  static AdmittedShapes attention, projections;
-  return (shapes == BrgemmShapes::kAttention ? attention : projections).admit({m, n, k, lda, ldb, ldc, add_c});
+  static AdmittedShapes groups[3];
+  return groups[static_cast<int>(shapes)].admit({m, n, k, lda, ldb, ldc, add_c});
 }
 
 bool brgemm_if_admitted(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,
-                        float* c, int64_t ldc, bool add_c) {
-  if (!brgemm_admits(m, n, k, lda, ldb, ldc, add_c)) {
+                        float* c, int64_t ldc, bool add_c, BrgemmShapes shapes) {
+  if (!brgemm_admits(m, n, k, lda, ldb, ldc, add_c, shapes)) {
     return false;
   }
   at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, add_c, a, b, c, false);

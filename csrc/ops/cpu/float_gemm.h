@@ -9,12 +9,12 @@
 // AVX-512 itself, so `auto` takes brgemm only on AMD processors with AVX-512.
 //
 // oneDNN compiles a kernel for every distinct product shape and ATen keeps each one per thread for good, so the
-// process runs at most kMaxBrgemmShapes distinct shapes on it (the first ones it meets, in every thread alike: a
-// product's numbers do not depend on the thread that runs it) and the rest on sgemm. A workload of a few shapes
-// (training at one sequence length) runs them all on brgemm; one whose lengths keep changing runs its first shapes
-// there. Where a call meets the last free places with more new shapes than places, which of them take the places
-// depends on its threads' timing, and so may the last bits of its outputs, in that call and later ones with
-// those shapes.
+// process runs at most kMaxBrgemmShapes distinct shapes of each group (BrgemmShapes) on it (the first ones it
+// meets, in every thread alike: a product's numbers do not depend on the thread that runs it) and the rest on
+// sgemm. A workload of a few shapes (training at one sequence length) runs them all on brgemm; one whose lengths
+// keep changing runs its first shapes there. Where a call meets the last free places with more new shapes than places,
+// which of them take the places depends on its threads' timing, and so may the last bits of its outputs, in that call
+// and later ones with those shapes.
 #pragma once
 
 #include <cstdint>
@@ -43,10 +43,11 @@ bool float_brgemm_works();
 // The most distinct product shapes the process runs on brgemm, for each of BrgemmShapes.
 constexpr int kMaxBrgemmShapes = 32;
 
-// Two groups of products, each with kMaxBrgemmShapes places of its own, so that neither takes the other's: the
-// attention kernels' (shapes that follow the sequence lengths) and the block's projections' (brgemm_matmul.h:
-// shapes that follow the model's sizes only).
-enum class BrgemmShapes { kAttention, kProjections };
+// Groups of products, each with kMaxBrgemmShapes places of its own, so that none takes another's: the attention
+// forward's and the attention backward's (shapes that follow the sequence lengths and the keys a mask leaves,
+// the backward's more of them), and the block's projections' (brgemm_matmul.h: shapes that follow the model's sizes
+// only).
+enum class BrgemmShapes { kAttention, kAttentionBackward, kProjections };
 
 // Whether the process runs products of this shape on brgemm (see brgemm_if_admitted): true where it did before or
 // there was still a place for a new one among `shapes`, which the shape now takes; false for an empty product.
@@ -57,6 +58,6 @@ bool brgemm_admits(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, in
 // runs this shape there (it did before, or there is still a place for a new one, kMaxBrgemmShapes): false, and
 // nothing written, otherwise (also for an empty product).
 bool brgemm_if_admitted(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,
-                        float* c, int64_t ldc, bool add_c);
+                        float* c, int64_t ldc, bool add_c, BrgemmShapes shapes = BrgemmShapes::kAttention);
 
 }  // namespace fastmha::cpu
