@@ -152,11 +152,12 @@ def test_backward_from_kept_weights_with_dropout_rows_near_the_fill(monkeypatch,
         torch.testing.assert_close(got, want)
 
 
-def test_backward_from_kept_weights_with_dropout_over_many_keys(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_backward_from_kept_weights_with_dropout_over_many_keys(monkeypatch, dtype):
     # Rows with more dropped weights in one key block than the kernel recomputes in one batch (64).
     monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
     monkeypatch.setenv("FASTMHA_CPU_KEY_BLOCK", "2048")
-    q, k, v = (torch.randn(1, 2, n, D, dtype=torch.float64) for n in (20, 1100, 1100))
+    q, k, v = (torch.randn(1, 2, n, D, dtype=dtype) for n in (20, 1100, 1100))
     out, weights, lse, rng_state = OPS._attention_forward(q, k, v, None, 0.1, True, False)
     assert ((weights == 0).sum(-1) > 64).all()
     grad_out = torch.randn_like(out)
@@ -166,7 +167,27 @@ def test_backward_from_kept_weights_with_dropout_over_many_keys(monkeypatch):
     ref_inputs = [t.detach().requires_grad_() for t in (q, k, v)]
     want = torch.autograd.grad(oracle_attention(*ref_inputs, None, keep, 0.1)[0], ref_inputs, grad_out)
     for name, got_grad, want_grad in zip("qkv", got, want):
-        torch.testing.assert_close(got_grad, want_grad, msg=lambda m: f"d{name}: {m}")
+        torch.testing.assert_close(got_grad, want_grad, **TOLERANCES[dtype], msg=lambda m: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("d_k,d_v", [(8, 8), (40, 24), (72, 64)])
+@pytest.mark.parametrize("mask_kind", ["none", "padding", "random with hidden rows"])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("dropout_p", [0.1, 0.3])
+def test_dropped_weights_recomputed_at_head_sizes_off_the_vector_width(monkeypatch, d_k, d_v, mask_kind, is_causal,
+                                                                       dropout_p):
+    # The dropped weights' scores are dot products of d_k elements, 16 keys at a time where AVX-512 runs: head sizes
+    # below, between and above whole vectors, keys the mask hides among the dropped ones.
+    monkeypatch.setenv("FASTMHA_CPU_KERNELS", "own")
+    q, k, v = (torch.randn(B, H, n, d, dtype=torch.float32) for n, d in ((LQ, d_k), (LK, d_k), (LK, d_v)))
+    mask = MASKS[mask_kind]
+    out, weights, lse, rng_state = OPS._attention_forward(q, k, v, mask, dropout_p, True, is_causal)
+    grad_out = torch.randn_like(out)
+    got = OPS._attention_backward(grad_out, None, q, k, v, mask, out, lse, rng_state, dropout_p, is_causal, weights)
+    want = oracle_gradients(q, k, v, mask, dropout_p, rng_state, is_causal, grad_out)
+    for name, got_grad, want_grad in zip("qkv", got, want):
+        torch.testing.assert_close(got_grad.double(), want_grad, **TOLERANCES[torch.float32],
+                                   msg=lambda m: f"d{name}: {m}")
 
 
 @pytest.mark.parametrize("module_dropout", [0.0, 0.1, 0.2])

@@ -16,7 +16,7 @@
 // per-task buffer of chunk x Lk (kept weights are written out from it): nothing of size Lq x Lk is allocated
 // otherwise. The backward recomputes each chunk's softmax from the saved log-sum-exp and regenerates the
 // dropout mask from the Philox (seed, offset), or takes P from the weights the forward kept (with dropout, all but
-// the dropped ones, which it recomputes one by one).
+// the dropped ones, which it recomputes from a dot product each).
 // It splits each head's query chunks into ranges that run in parallel (partial dK/dV per range, summed by the
 // caller), so it scales even when batch*heads is small.
 #include <ATen/Parallel.h>
@@ -37,6 +37,7 @@
 #include "ops/cpu/brgemm_matmul.h"
 #include "ops/cpu/cache_line_buffer.h"
 #include "ops/cpu/float_gemm.h"
+#include "ops/cpu/gathered_dots.h"
 #include "ops/cpu/key_span.h"
 #include "ops/cpu/large_buffer.h"
 #include "ops/cpu/philox_batch.h"
@@ -1616,7 +1617,8 @@ void kept_weights_backward_row(const AttentionInputs<T>& in, T d, int64_t query,
 // are not exact come here: the others' constants come from GEMM scores that one dot product would not match.
 template <typename T>
 void kept_dropout_weights_backward_row(const AttentionInputs<T>& in, T d, int64_t query, const KeySpan& span,
-                                       const Head<T>& head, const RowSoftmax<T>& softmax, const T* w, T* dw) {
+                                       const Head<T>& head, const RowSoftmax<T>& softmax, const T* w, T* dw,
+                                       std::vector<int32_t>& dropped) {
   const int64_t width = span.size();
   using Vec = Vectorized<T>;
   const T keep = T(1.0 / (1.0 - in.dropout_p));
@@ -1629,40 +1631,39 @@ void kept_dropout_weights_backward_row(const AttentionInputs<T>& in, T d, int64_
   }
   for (; j < width; ++j) dw[j] = w[j] == T(0) ? (dw[j] - dw[j]) - d : w[j] * (dw[j] - d / keep);
   const T* q_row = head.q + query * in.q_stride.row;
-  const bool* mask_row = span.masked ? head.mask + query * in.mask_stride[2] : nullptr;
   const int64_t end = in.is_causal ? std::clamp<int64_t>(query + 1, span.lo, span.hi) : span.hi;
   std::fill(dw + (end - span.lo), dw + width, T(0));  // above the diagonal
-  // The dropped keys' scores one by one, their exponentials a batch at a time.
-  constexpr int kBatch = 64;
-  std::array<int64_t, kBatch> keys;  // indices into the span
+  // The zero weights' keys (indices into the span), less those the mask hides, whose dS is zero.
+  hold_at_least(dropped, static_cast<size_t>(end - span.lo + kGatheredRows));
+  int64_t count = zero_positions(w, end - span.lo, dropped.data());
+  if (span.masked) {
+    const bool* mask_row = head.mask + query * in.mask_stride[2];
+    int64_t visible = 0;
+    for (int64_t i = 0; i < count; ++i) {
+      const int32_t key = dropped[i];
+      if (mask_row[(span.lo + key) * in.mask_stride[3]]) {
+        dropped[visible++] = key;
+      } else {
+        dw[key] = T(0);
+      }
+    }
+    count = visible;
+  }
+  // Their scores and exponentials a batch at a time.
+  constexpr int kBatch = 4 * kGatheredRows;
   std::array<T, kBatch> p;
-  int count = 0;
-  const Vec shift(softmax.shift), scale(softmax.scale);
-  const auto flush = [&] {
-    at::vec::map([&](Vec s) { return (s - shift).exp() * scale; }, p.data(), p.data(), count);
-    for (int i = 0; i < count; ++i) dw[keys[i]] *= p[i];
-    count = 0;
-  };
-  const auto add = [&](int64_t key) {
-    if (mask_row != nullptr && !mask_row[(span.lo + key) * in.mask_stride[3]]) {
-      dw[key] = T(0);
-      return;
+  const Vec shift(softmax.shift), scale(softmax.scale), score_scale(in.scale);
+  const T* span_keys = head.k + span.lo * in.k_stride.row;
+  for (int64_t first = 0; first < count; first += kBatch) {
+    const int batch = static_cast<int>(std::min<int64_t>(kBatch, count - first));
+    const int32_t* keys = dropped.data() + first;
+    for (int i = 0; i < batch; i += kGatheredRows) {
+      gathered_dots(q_row, span_keys, in.k_stride.row, keys + i, std::min(kGatheredRows, batch - i), in.d_k,
+                    p.data() + i);
     }
-    p[count] = in.scale * output_dot(q_row, head.k + (span.lo + key) * in.k_stride.row, in.d_k);
-    keys[count++] = key;
-    if (count == kBatch) flush();
-  };
-  const int64_t n = end - span.lo;
-  j = 0;
-  for (; j + Vec::size() <= n; j += Vec::size()) {
-    for (int zeros = Vec::loadu(w + j).zero_mask(); zeros != 0; zeros &= zeros - 1) {
-      add(j + __builtin_ctz(static_cast<unsigned>(zeros)));
-    }
+    at::vec::map([&](Vec s) { return (s * score_scale - shift).exp() * scale; }, p.data(), p.data(), batch);
+    for (int i = 0; i < batch; ++i) dw[keys[i]] *= p[i];
   }
-  for (; j < n; ++j) {
-    if (w[j] == T(0)) add(j);
-  }
-  flush();
   zero_masked_gradients(in, head, query, span, softmax, dw);
 }
 
@@ -1729,6 +1730,7 @@ struct BackwardBuffers {
   BackwardChunkRows<T> chunk_rows;
   CacheLineVector<T> own_grad_k, own_grad_v;  // a task's dK and dV rows (half_grad_k, task_grad_k)
   CacheLineVector<T> packed;                  // a transposed operand of brgemm (in.float_brgemm)
+  std::vector<int32_t> dropped;               // a row's zero weights (kept_dropout_weights_backward_row)
 };
 
 // Whether query row `query` sees no key at all (mask, and causality with is_causal): all its scores are -1e9.
@@ -1929,8 +1931,8 @@ template <typename T>
 void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, const SplitTask<T>& task,
                    int64_t row0, int64_t rows, BackwardBuffers<T>& buf) {
   const auto& [bh, chunk_begin, chunk_end, head, grad_k, grad_v] = task;
-  auto& [probs, grad_w, keep, out_dots, softmax, non_finite, words, widened, chunk_rows, own_grad_k, own_grad_v,
-         packed] = buf;
+  auto& [probs, grad_w, keep, out_dots, softmax, non_finite, words, widened, chunk_rows, own_grad_k, own_grad_v, packed,
+         dropped] = buf;
   const int64_t first_row = bh * in.len_q + row0;
   const T* grad_out = chunk_rows.grad_out;
   const T* out = chunk_rows.out;
@@ -2017,7 +2019,7 @@ void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<
         const int64_t query = row0 + skip + r;
         if (kept != nullptr && in.dropout_p > 0) {
           kept_dropout_weights_backward_row(in, d, query, part, head, softmax[skip + r],
-                                            kept + (skip + r) * in.len_k + lo, grad_w.data() + r * n);
+                                            kept + (skip + r) * in.len_k + lo, grad_w.data() + r * n, dropped);
         } else if (kept != nullptr) {
           kept_weights_backward_row(in, d, query, part, head, softmax[skip + r], kept + (skip + r) * in.len_k + lo,
                                     grad_w.data() + r * n);
@@ -2099,7 +2101,7 @@ void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<
       in, g, chunk, ld, [&](const SplitTask<T>& task, int64_t row0, int64_t rows, BackwardBuffers<T>& buf) {
         const auto& [bh, chunk_begin, chunk_end, head, grad_k, grad_v] = task;
         auto& [probs, grad_w, keep, out_dots, softmax, non_finite, words, widened, chunk_rows, own_grad_k, own_grad_v,
-               packed] = buf;
+               packed, dropped] = buf;
         const int64_t first_row = bh * in.len_q + row0;
         const T* grad_out = head_row(g.grad_out, g.grad_out_stride, in.heads, bh, row0);
         const int64_t ld_grad_out = g.grad_out_stride.row;
