@@ -22,6 +22,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
 #include <array>
@@ -1864,7 +1865,8 @@ bool brgemm_transposed_left(bool use, int64_t m, int64_t n, int64_t k, const T* 
     if (use && brgemm_admits(m, n, k, k, ldb, ldc, true, kBackwardShapes)) {
       packed.resize(std::max(packed.size(), static_cast<size_t>(m * k)));
       pack_transposed(a, lda, m, k, packed.data(), k);
-      return brgemm_if_admitted(m, n, k, packed.data(), k, b, ldb, c, ldc, true, kBackwardShapes);
+      at::native::cpublas::brgemm(m, n, k, k, ldb, ldc, true, packed.data(), b, c, /*is_vnni=*/false);
+      return true;
     }
   }
   return false;
@@ -1878,8 +1880,9 @@ bool brgemm_grad_weights(bool use, const AttentionInputs<T>& in, int64_t m, int6
     if (use && brgemm_admits(m, n, in.d_v, ld_grad_out, n, n, false, kBackwardShapes)) {
       packed.resize(std::max(packed.size(), static_cast<size_t>(in.d_v * n)));
       pack_transposed(v, in.v_stride.row, in.d_v, n, packed.data(), n);
-      return brgemm_if_admitted(m, n, in.d_v, grad_out, ld_grad_out, packed.data(), n, grad_w, n, false,
-                                kBackwardShapes);
+      at::native::cpublas::brgemm(m, n, in.d_v, ld_grad_out, n, n, false, grad_out, packed.data(), grad_w,
+                                  /*is_vnni=*/false);
+      return true;
     }
   }
   return false;

@@ -101,9 +101,8 @@ void run_tiles(const Product& p) {
 // the caller.
 std::optional<Product> brgemm_plan(const at::Tensor& a, const at::Tensor& b) {
   // Sizes are read only where they are known (not while torch.compile traces with symbolic ones).
-  if (!a.defined() || !b.defined() || a.unsafeGetTensorImpl()->has_symbolic_sizes_strides() ||
-      b.unsafeGetTensorImpl()->has_symbolic_sizes_strides() || a.dim() != 2 || b.dim() != 2 || a.size(1) != b.size(0) ||
-      a.numel() == 0 || b.numel() == 0) {
+  if (!plain_cpu(a) || !plain_cpu(b) || a.dim() != 2 || b.dim() != 2 || a.size(1) != b.size(0) || a.numel() == 0 ||
+      b.numel() == 0) {
     return std::nullopt;
   }
   const int64_t m = a.size(0), k = a.size(1), n = b.size(1);

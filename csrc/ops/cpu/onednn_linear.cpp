@@ -27,16 +27,6 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight) {
   return stack.front().toTensor();
 }
 
-// A dense CPU tensor of known sizes with no other dispatch key than those of every such tensor (autograd's,
-// autocast's), whose data is there: not fake (under torch.compile a fake tensor can reach a kernel with those keys
-// and no data), symbolic, functional, batched, wrapped by a transform, nested, or a negated or conjugated view.
-bool plain_cpu(const at::Tensor& t) {
-  static const c10::DispatchKeySet plain({c10::DispatchKey::CPU, c10::DispatchKey::AutogradCPU,
-                                          c10::DispatchKey::ADInplaceOrView, c10::DispatchKey::AutocastCPU});
-  return t.defined() && !t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() && t.layout() == at::kStrided &&
-         plain.isSupersetOf(t.key_set()) && t.has_storage() && t.storage().data() != nullptr;
-}
-
 // Whether autograd would record a product of t: torch's oneDNN op has no derivative, so such a product (a
 // composite op's, the decoding step's, under grad mode or forward-mode AD) takes at::linear.
 bool recorded(const at::Tensor& t) {
@@ -57,6 +47,14 @@ bool linear_on_onednn(const at::Tensor& x, const at::Tensor& weight) {
 }
 
 }  // namespace
+
+// Under torch.compile a fake tensor can reach a kernel with plain CPU keys and no data: hence the data check.
+bool plain_cpu(const at::Tensor& t) {
+  static const c10::DispatchKeySet plain({c10::DispatchKey::CPU, c10::DispatchKey::AutogradCPU,
+                                          c10::DispatchKey::ADInplaceOrView, c10::DispatchKey::AutocastCPU});
+  return t.defined() && !t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() && t.layout() == at::kStrided &&
+         plain.isSupersetOf(t.key_set()) && t.has_storage() && t.storage().data() != nullptr;
+}
 
 bool onednn_takes_product(const at::Tensor& a, const at::Tensor& b, int64_t rows) {
   if (!plain_cpu(a) || !plain_cpu(b) || recorded(a) || recorded(b) || autocast_on() || a.scalar_type() != at::kFloat ||

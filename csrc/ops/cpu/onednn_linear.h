@@ -25,6 +25,11 @@ constexpr int64_t kFewestOnednnRows = 512;
 // types widened to float32 count as float32.
 at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight);
 
+// Whether t is a dense CPU tensor of known sizes whose data is there, with no other dispatch key than those of every
+// such tensor (autograd's, autocast's): not fake, symbolic, functional, batched, wrapped by a transform, nested, or
+// a negated or conjugated view. Its sizes and strides may be read.
+bool plain_cpu(const at::Tensor& t);
+
 // Whether a float32 product of a and b over `rows` rows (the rows of x, or of the gradients a backward product
 // reads) may run on oneDNN: the conditions of float_linear above, but for the operands' shapes and torch's op.
 bool onednn_takes_product(const at::Tensor& a, const at::Tensor& b, int64_t rows);
