@@ -1718,6 +1718,18 @@ void finish_task_gradients(const AttentionInputs<T>& in, const AttentionBackward
   }
 }
 
+// The blocked backward's dV += W^T dO and dK += dS^T Q on brgemm, which takes no transposed operand: run as
+// dV^T += dO^T W and dK^T += Q^T dS, so that W and dS (rows x block, every block) are read as they are and only dO
+// and Q (rows x d) are packed transposed, once per chunk. dK^T and dV^T are the task's own (d x len_k), zeroed
+// before its first such product and added transposed into its dK and dV rows once its chunks are done.
+template <typename T>
+struct TransposedGradients {
+  CacheLineVector<T> grad_k, grad_v;  // d_k x len_k and d_v x len_k
+  CacheLineVector<T> grad_out, q;     // the chunk's dO^T (d_v x rows) and Q^T (d_k x rows)
+  bool task_started = false;          // grad_k and grad_v hold the current task's sums
+  bool chunk_packed = false;          // grad_out and q hold the current chunk's rows
+};
+
 // Per-task state of the backward: score and score-gradient rows (chunk x width), dropout multipliers, and
 // the scans of a head's keys.
 template <typename T>
@@ -1732,6 +1744,7 @@ struct BackwardBuffers {
   CacheLineVector<T> own_grad_k, own_grad_v;  // a task's dK and dV rows (half_grad_k, task_grad_k)
   CacheLineVector<T> packed;                  // a transposed operand of brgemm (in.float_brgemm)
   std::vector<int32_t> dropped;               // a row's zero weights (kept_dropout_weights_backward_row)
+  TransposedGradients<T> transposed;          // dK^T and dV^T on brgemm (in.float_brgemm)
 };
 
 // Whether query row `query` sees no key at all (mask, and causality with is_causal): all its scores are -1e9.
@@ -1888,6 +1901,65 @@ bool brgemm_grad_weights(bool use, const AttentionInputs<T>& in, int64_t m, int6
   return false;
 }
 
+// Readies t for a chunk's products into dK^T and dV^T (TransposedGradients): the task's sums zeroed before its first,
+// the chunk's dO (rows x d_v, row stride ld_grad_out) and Q rows (row stride ld_q) packed transposed before its
+// first.
+template <typename T>
+void ready_transposed(const AttentionInputs<T>& in, int64_t rows, const T* grad_out, int64_t ld_grad_out, const T* q,
+                      int64_t ld_q, TransposedGradients<T>& t) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (!t.task_started) {
+      t.grad_k.assign(static_cast<size_t>(in.d_k * in.len_k), T(0));
+      t.grad_v.assign(static_cast<size_t>(in.d_v * in.len_k), T(0));
+      t.task_started = true;
+    }
+    if (!t.chunk_packed) {
+      hold_at_least(t.grad_out, in.d_v * rows);
+      hold_at_least(t.q, in.d_k * rows);
+      pack_transposed(grad_out, ld_grad_out, in.d_v, rows, t.grad_out.data(), rows);
+      pack_transposed(q, ld_q, in.d_k, rows, t.q.data(), rows);
+      t.chunk_packed = true;
+    }
+  }
+}
+
+// C^T (d x n, the columns from key lo of a d x len_k sum) += A^T B for the chunk's rows A^T (d x rows, packed by
+// ready_transposed) and B (rows x n, row stride ldb) on brgemm, where `use` and the process runs the shape there:
+// whether it ran.
+template <typename T>
+bool brgemm_into_transposed(bool use, const AttentionInputs<T>& in, int64_t d, int64_t rows, int64_t lo, int64_t n,
+                            const T* a_t, const T* b, int64_t ldb, T* sum_t) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (use && brgemm_admits(d, n, rows, rows, ldb, in.len_k, true, kBackwardShapes)) {
+      at::native::cpublas::brgemm(d, n, rows, rows, ldb, in.len_k, true, a_t, b, sum_t + lo, /*is_vnni=*/false);
+      return true;
+    }
+  }
+  return false;
+}
+
+// Adds a task's dK^T and dV^T, where its products made them, transposed into its dK and dV rows.
+template <typename T>
+void add_transposed_gradients(const AttentionInputs<T>& in, const AttentionBackwardTensors<T>& g, T* grad_k, T* grad_v,
+                              TransposedGradients<T>& t, CacheLineVector<T>& scratch) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (!t.task_started) {
+      return;
+    }
+    using Vec = Vectorized<T>;
+    const auto add = [&](const CacheLineVector<T>& sum_t, int64_t d, T* rows, int64_t ld) {
+      hold_at_least(scratch, in.len_k * d);
+      pack_transposed(sum_t.data(), in.len_k, in.len_k, d, scratch.data(), d);
+      for (int64_t j = 0; j < in.len_k; ++j) {
+        at::vec::map2([](Vec x, Vec y) { return x + y; }, rows + j * ld, rows + j * ld, scratch.data() + j * d, d);
+      }
+    };
+    add(t.grad_k, in.d_k, grad_k, g.grad_k.stride.row);
+    add(t.grad_v, in.d_v, grad_v, g.grad_v.stride.row);
+    t.task_started = false;
+  }
+}
+
 // The scale factor of dS's products: where `use`, 1 (brgemm has none) after scaling the `count` elements of grad_w
 // once; in.scale otherwise.
 template <typename T>
@@ -1920,6 +1992,7 @@ void for_each_backward_chunk(const AttentionInputs<T>& in, const AttentionBackwa
           use_widened_rows(in, buf.widened, task.bh, row0, rows, task.head);
           body(task, row0, rows, buf);
         }
+        add_transposed_gradients(in, g, task.grad_k, task.grad_v, buf.transposed, buf.packed);
         if (g.half_grad_k != nullptr || g.task_grad_k != nullptr) {
           finish_task_gradients(in, g, task);
         }
@@ -1935,7 +2008,8 @@ void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<
                    int64_t row0, int64_t rows, BackwardBuffers<T>& buf) {
   const auto& [bh, chunk_begin, chunk_end, head, grad_k, grad_v] = task;
   auto& [probs, grad_w, keep, out_dots, softmax, non_finite, words, widened, chunk_rows, own_grad_k, own_grad_v, packed,
-         dropped] = buf;
+         dropped, transposed] = buf;
+  transposed.chunk_packed = false;
   const int64_t first_row = bh * in.len_q + row0;
   const T* grad_out = chunk_rows.grad_out;
   const T* out = chunk_rows.out;
@@ -2042,7 +2116,12 @@ void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<
       // piece of the first block has every row (causal_pieces), so every dQ row is written before one is added to.
       const T* applied = kept != nullptr ? kept + skip * in.len_k + lo : probs.data();
       const int64_t ld_applied = kept != nullptr ? in.len_k : n;
-      if (!brgemm_transposed_left(on_brgemm, n, in.d_v, m, applied, ld_applied, piece_grad_out, ld_grad_out, packed,
+      if (on_brgemm) {
+        ready_transposed(in, rows, grad_out, ld_grad_out, q_rows, in.q_stride.row, transposed);
+      }
+      if (!brgemm_into_transposed(on_brgemm, in, in.d_v, m, lo, n, transposed.grad_out.data(), applied, ld_applied,
+                                  transposed.grad_v.data()) &&
+          !brgemm_transposed_left(on_brgemm, n, in.d_v, m, applied, ld_applied, piece_grad_out, ld_grad_out, packed,
                                   grad_v + lo * ld_grad_v, ld_grad_v)) {
         gemm<T>(true, false, n, in.d_v, m, T(1), applied, ld_applied, piece_grad_out, ld_grad_out, T(1),
                 grad_v + lo * ld_grad_v, ld_grad_v);
@@ -2054,7 +2133,9 @@ void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<
         gemm<T>(false, false, m, in.d_k, n, scale, grad_w.data(), n, k_part, in.k_stride.row, computed ? T(1) : T(0),
                 piece_grad_q, ld_grad_q);
       }
-      if (!brgemm_transposed_left(on_brgemm, n, in.d_k, m, grad_w.data(), n, piece_q, in.q_stride.row, packed,
+      if (!brgemm_into_transposed(on_brgemm, in, in.d_k, m, lo, n, transposed.q.data(), grad_w.data(), n,
+                                  transposed.grad_k.data()) &&
+          !brgemm_transposed_left(on_brgemm, n, in.d_k, m, grad_w.data(), n, piece_q, in.q_stride.row, packed,
                                   grad_k + lo * ld_grad_k, ld_grad_k)) {
         gemm<T>(true, false, n, in.d_k, m, scale, grad_w.data(), n, piece_q, in.q_stride.row, T(1),
                 grad_k + lo * ld_grad_k, ld_grad_k);
@@ -2104,7 +2185,7 @@ void backward_impl(const AttentionInputs<T>& in, const AttentionBackwardTensors<
       in, g, chunk, ld, [&](const SplitTask<T>& task, int64_t row0, int64_t rows, BackwardBuffers<T>& buf) {
         const auto& [bh, chunk_begin, chunk_end, head, grad_k, grad_v] = task;
         auto& [probs, grad_w, keep, out_dots, softmax, non_finite, words, widened, chunk_rows, own_grad_k, own_grad_v,
-               packed, dropped] = buf;
+               packed, dropped, transposed] = buf;
         const int64_t first_row = bh * in.len_q + row0;
         const T* grad_out = head_row(g.grad_out, g.grad_out_stride, in.heads, bh, row0);
         const int64_t ld_grad_out = g.grad_out_stride.row;
