@@ -1870,21 +1870,6 @@ bool brgemm_plain(bool use, int64_t m, int64_t n, int64_t k, const T* a, int64_t
   return false;
 }
 
-// C (m x n) += A^T B for A (k x m, row stride lda), packed transposed into `packed` (m x k) first.
-template <typename T>
-bool brgemm_transposed_left(bool use, int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb,
-                            CacheLineVector<T>& packed, T* c, int64_t ldc) {
-  if constexpr (std::is_same_v<T, float>) {
-    if (use && brgemm_admits(m, n, k, k, ldb, ldc, true, kBackwardShapes)) {
-      packed.resize(std::max(packed.size(), static_cast<size_t>(m * k)));
-      pack_transposed(a, lda, m, k, packed.data(), k);
-      at::native::cpublas::brgemm(m, n, k, k, ldb, ldc, true, packed.data(), b, c, /*is_vnni=*/false);
-      return true;
-    }
-  }
-  return false;
-}
-
 // dP = dO V^T (m rows, n keys) into grad_w (row stride n), V^T packed into `packed` (d_v x n) first.
 template <typename T>
 bool brgemm_grad_weights(bool use, const AttentionInputs<T>& in, int64_t m, int64_t n, const T* grad_out,
@@ -2120,9 +2105,7 @@ void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<
         ready_transposed(in, rows, grad_out, ld_grad_out, q_rows, in.q_stride.row, transposed);
       }
       if (!brgemm_into_transposed(on_brgemm, in, in.d_v, m, lo, n, transposed.grad_out.data(), applied, ld_applied,
-                                  transposed.grad_v.data()) &&
-          !brgemm_transposed_left(on_brgemm, n, in.d_v, m, applied, ld_applied, piece_grad_out, ld_grad_out, packed,
-                                  grad_v + lo * ld_grad_v, ld_grad_v)) {
+                                  transposed.grad_v.data())) {
         gemm<T>(true, false, n, in.d_v, m, T(1), applied, ld_applied, piece_grad_out, ld_grad_out, T(1),
                 grad_v + lo * ld_grad_v, ld_grad_v);
       }
@@ -2134,9 +2117,7 @@ void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<
                 piece_grad_q, ld_grad_q);
       }
       if (!brgemm_into_transposed(on_brgemm, in, in.d_k, m, lo, n, transposed.q.data(), grad_w.data(), n,
-                                  transposed.grad_k.data()) &&
-          !brgemm_transposed_left(on_brgemm, n, in.d_k, m, grad_w.data(), n, piece_q, in.q_stride.row, packed,
-                                  grad_k + lo * ld_grad_k, ld_grad_k)) {
+                                  transposed.grad_k.data())) {
         gemm<T>(true, false, n, in.d_k, m, scale, grad_w.data(), n, piece_q, in.q_stride.row, T(1),
                 grad_k + lo * ld_grad_k, ld_grad_k);
       }
