@@ -98,6 +98,18 @@ std::vector<int64_t> rows_to_compute(const std::vector<at::Tensor>& gs, const at
   return indices;
 }
 
+// g itself where its rows or its columns are dense, otherwise g made dense: an expanded gradient (a loss such as
+// out.sum() hands every row one stride-0 gradient) is copied once for both of its products, as torch's GEMM would
+// copy it for each, and dense its products may run on brgemm (brgemm_matmul.h).
+at::Tensor dense_rows_or_columns(const at::Tensor& g) {
+  if (g.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+    return g;
+  }
+  const bool rows = g.stride(1) == 1 && g.stride(0) >= g.size(1);
+  const bool columns = g.stride(0) == 1 && g.stride(1) >= g.size(0);
+  return rows || columns ? g : g.contiguous();
+}
+
 // (sum_i g_i W_i, [g_i^T x]) for rows g_i (n x d_out) and x (n x d_in), x's rows from `x_rows()`, asked for after
 // the first product (its temporaries gone) so that no copy outlives the products. Later products add into the
 // first's result as they run (no pass of their own); with `widen`, each g_i widened once for both its products
@@ -110,7 +122,7 @@ std::pair<at::Tensor, std::vector<at::Tensor>> row_products(const std::vector<at
   at::Tensor grad_x, rows;
   std::vector<at::Tensor> grad_ws;
   for (size_t i = 0; i < gs.size(); ++i) {
-    const at::Tensor g = wide(gs[i]);
+    const at::Tensor g = dense_rows_or_columns(wide(gs[i]));
     if (i == 0) {
       grad_x = cpu::float_matmul(g, wide(weights[i]));
       rows = wide(x_rows());
