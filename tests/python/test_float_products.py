@@ -12,6 +12,7 @@ import torch
 from conftest import assert_close, cpu_flags
 from layouts import RELAYOUTS, relaid
 from oracle import oracle_attention
+from philox_reference import expected_keep
 
 import fastmha
 
@@ -110,6 +111,36 @@ def test_backward_matches_the_oracle(float_gemm, lk, case):
     line = fastmha.explain(q, k, v, mask, 0.0, need_weights, is_causal).splitlines()[1]
     assert line.startswith("backward fastmha-cpu"), line
     assert (BACKWARD_ON_BRGEMM in line) == (float_gemm == "brgemm" and brgemm_runs_here()), line
+
+
+@pytest.mark.parametrize("key_block", ["", "32"])
+@pytest.mark.parametrize("case", ["plain", "causal", "weights kept with dropout"])
+def test_backward_of_one_head_split_across_tasks_matches_the_oracle(float_gemm, monkeypatch, key_block, case):
+    """One head's query chunks split into ranges that run as tasks of their own (each with its own dK and dV, and
+    on brgemm its own sums of dK^T and dV^T), over one or many key blocks ("32")."""
+    monkeypatch.setenv("FASTMHA_CPU_KEY_BLOCK", key_block)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(11)
+        q, k, v = torch.randn(1, 1, 700, 24), torch.randn(1, 1, 650, 24), torch.randn(1, 1, 650, 40)
+        is_causal, p = case == "causal", 0.1 if case.endswith("dropout") else 0.0
+        out, weights, lse, rng_state = torch.ops.fastmha._attention_forward(q, k, v, None, p, True, is_causal)
+        grad = torch.randn_like(out)
+        kept = weights if p > 0 else None
+        got = torch.ops.fastmha._attention_backward(grad, None, q, k, v, None, out, lse, rng_state, p, is_causal,
+                                                    kept)
+    finally:
+        torch.set_num_threads(threads)
+    keep = None
+    if p > 0:
+        seed, offset = (int(x) for x in rng_state)
+        keep = expected_keep(seed & (2**64 - 1), offset, tuple(weights.shape), p)
+    wide = [t.double().requires_grad_(True) for t in (q, k, v)]
+    full = torch.ones(700, 650, dtype=torch.bool).tril() if is_causal else None
+    oracle_attention(*wide, full, keep, p)[0].backward(grad.double())
+    for name, got_grad, want in zip("qkv", got, wide):
+        assert_close(got_grad, want.grad, torch.float32, f"grad of {name}")
 
 
 def test_dropout_and_widened_half_types_agree_with_the_blas(monkeypatch):
