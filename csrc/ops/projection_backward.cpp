@@ -98,8 +98,8 @@ std::vector<int64_t> rows_to_compute(const std::vector<at::Tensor>& gs, const at
   return indices;
 }
 
-// g itself where its rows or its columns are dense, otherwise g made dense: an expanded gradient (a loss such as
-// out.sum() hands every row one stride-0 gradient) is copied once for both of its products, as torch's GEMM would
+// The 2-d g itself where its rows or its columns are dense, otherwise g made dense: an expanded gradient (a loss such
+// as out.sum() hands every row one stride-0 gradient) is copied once for both of its products, as torch's GEMM would
 // copy it for each, and dense its products may run on brgemm (brgemm_matmul.h).
 at::Tensor dense_rows_or_columns(const at::Tensor& g) {
   if (g.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {

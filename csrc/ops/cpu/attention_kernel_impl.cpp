@@ -1635,7 +1635,7 @@ void kept_dropout_weights_backward_row(const AttentionInputs<T>& in, T d, int64_
   const int64_t end = in.is_causal ? std::clamp<int64_t>(query + 1, span.lo, span.hi) : span.hi;
   std::fill(dw + (end - span.lo), dw + width, T(0));  // above the diagonal
   // The zero weights' keys (indices into the span), less those the mask hides, whose dS is zero.
-  hold_at_least(dropped, static_cast<size_t>(end - span.lo + kGatheredRows));
+  hold_at_least(dropped, end - span.lo);
   int64_t count = zero_positions(w, end - span.lo, dropped.data());
   if (span.masked) {
     const bool* mask_row = head.mask + query * in.mask_stride[2];
@@ -1742,9 +1742,9 @@ struct BackwardBuffers {
   WidenedHead<T> widened;  // q/k/v when the tasks widen them (in.widen_in_tasks)
   BackwardChunkRows<T> chunk_rows;
   CacheLineVector<T> own_grad_k, own_grad_v;  // a task's dK and dV rows (half_grad_k, task_grad_k)
-  CacheLineVector<T> packed;                  // a transposed operand of brgemm (in.float_brgemm)
-  std::vector<int32_t> dropped;               // a row's zero weights (kept_dropout_weights_backward_row)
-  TransposedGradients<T> transposed;          // dK^T and dV^T on brgemm (in.float_brgemm)
+  CacheLineVector<T> packed;     // a transposed operand of brgemm (in.float_brgemm); add_transposed_gradients' scratch
+  std::vector<int32_t> dropped;  // a row's zero weights (kept_dropout_weights_backward_row)
+  TransposedGradients<T> transposed;  // dK^T and dV^T on brgemm (in.float_brgemm)
 };
 
 // Whether query row `query` sees no key at all (mask, and causality with is_causal): all its scores are -1e9.
@@ -1908,14 +1908,15 @@ void ready_transposed(const AttentionInputs<T>& in, int64_t rows, const T* grad_
   }
 }
 
-// C^T (d x n, the columns from key lo of a d x len_k sum) += A^T B for the chunk's rows A^T (d x rows, packed by
-// ready_transposed) and B (rows x n, row stride ldb) on brgemm, where `use` and the process runs the shape there:
-// whether it ran.
-template <typename T>
+// C^T (d x n, the columns from key lo of a d x len_k sum) += A^T B for the chunk's rows A^T (d x rows) and B
+// (rows x n, row stride ldb) on brgemm, where `use` and the process runs the shape there: whether it ran. `ready`
+// readies the operands only then (ready_transposed) and returns A^T and the sum.
+template <typename T, typename Ready>
 bool brgemm_into_transposed(bool use, const AttentionInputs<T>& in, int64_t d, int64_t rows, int64_t lo, int64_t n,
-                            const T* a_t, const T* b, int64_t ldb, T* sum_t) {
+                            const T* b, int64_t ldb, const Ready& ready) {
   if constexpr (std::is_same_v<T, float>) {
     if (use && brgemm_admits(d, n, rows, rows, ldb, in.len_k, true, kBackwardShapes)) {
+      const auto [a_t, sum_t] = ready();
       at::native::cpublas::brgemm(d, n, rows, rows, ldb, in.len_k, true, a_t, b, sum_t + lo, /*is_vnni=*/false);
       return true;
     }
@@ -2101,11 +2102,15 @@ void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<
       // piece of the first block has every row (causal_pieces), so every dQ row is written before one is added to.
       const T* applied = kept != nullptr ? kept + skip * in.len_k + lo : probs.data();
       const int64_t ld_applied = kept != nullptr ? in.len_k : n;
-      if (on_brgemm) {
+      // On brgemm (skip == 0, so the piece is the whole chunk) dV and dK sum transposed (TransposedGradients).
+      TORCH_INTERNAL_ASSERT(!on_brgemm || m == rows, "a piece of a chunk on brgemm");
+      const auto ready = [&](bool values) {
         ready_transposed(in, rows, grad_out, ld_grad_out, q_rows, in.q_stride.row, transposed);
-      }
-      if (!brgemm_into_transposed(on_brgemm, in, in.d_v, m, lo, n, transposed.grad_out.data(), applied, ld_applied,
-                                  transposed.grad_v.data())) {
+        return values ? std::pair{transposed.grad_out.data(), transposed.grad_v.data()}
+                      : std::pair{transposed.q.data(), transposed.grad_k.data()};
+      };
+      if (!brgemm_into_transposed(on_brgemm, in, in.d_v, rows, lo, n, applied, ld_applied,
+                                  [&] { return ready(true); })) {
         gemm<T>(true, false, n, in.d_v, m, T(1), applied, ld_applied, piece_grad_out, ld_grad_out, T(1),
                 grad_v + lo * ld_grad_v, ld_grad_v);
       }
@@ -2116,8 +2121,7 @@ void blocked_chunk(const AttentionInputs<T>& in, const AttentionBackwardTensors<
         gemm<T>(false, false, m, in.d_k, n, scale, grad_w.data(), n, k_part, in.k_stride.row, computed ? T(1) : T(0),
                 piece_grad_q, ld_grad_q);
       }
-      if (!brgemm_into_transposed(on_brgemm, in, in.d_k, m, lo, n, transposed.q.data(), grad_w.data(), n,
-                                  transposed.grad_k.data())) {
+      if (!brgemm_into_transposed(on_brgemm, in, in.d_k, rows, lo, n, grad_w.data(), n, [&] { return ready(false); })) {
         gemm<T>(true, false, n, in.d_k, m, scale, grad_w.data(), n, piece_q, in.q_stride.row, T(1),
                 grad_k + lo * ld_grad_k, ld_grad_k);
       }

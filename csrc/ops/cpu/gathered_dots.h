@@ -72,9 +72,9 @@ inline void gathered_dots(const T* x, const T* rows, int64_t ld, const int32_t* 
   }
 }
 
-// The positions j < n where x[j] == 0 (of either sign), in order, into out (room for n + kGatheredRows - 1 of
-// them: AVX-512 stores whole vectors); returns how many. Branch-free: a tenth of random positions (dropout) makes
-// a loop over each one's bit mispredict about once a vector.
+// The positions j < n where x[j] == 0 (of either sign), in order, into out (room for n: AVX-512 stores whole
+// vectors of 16 at the count so far, which is at most j, for j + 16 <= n); returns how many. Branch-free: a tenth of
+// random positions (dropout) makes a loop over each one's bit mispredict about once a vector.
 template <typename T>
 inline int64_t zero_positions(const T* x, int64_t n, int32_t* out) {
   int64_t count = 0, j = 0;
