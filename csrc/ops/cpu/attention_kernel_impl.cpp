@@ -1876,7 +1876,7 @@ bool brgemm_grad_weights(bool use, const AttentionInputs<T>& in, int64_t m, int6
                          int64_t ld_grad_out, const T* v, CacheLineVector<T>& packed, T* grad_w) {
   if constexpr (std::is_same_v<T, float>) {
     if (use && brgemm_admits(m, n, in.d_v, ld_grad_out, n, n, false, kBackwardShapes)) {
-      packed.resize(std::max(packed.size(), static_cast<size_t>(in.d_v * n)));
+      hold_at_least(packed, in.d_v * n);
       pack_transposed(v, in.v_stride.row, in.d_v, n, packed.data(), n);
       at::native::cpublas::brgemm(m, n, in.d_v, ld_grad_out, n, n, false, grad_out, packed.data(), grad_w,
                                   /*is_vnni=*/false);
